@@ -1,0 +1,142 @@
+"""One-off GPU exploration behind the kernel's design choices (see NOTES.md for the outcome).
+
+1. Exactness: which float32 silu formulation rounds to the same bfloat16/float16 as eager on
+   every one of the 65536 input bit patterns.
+2. Launch configuration: (BLOCK_SIZE, num_warps) per size for the forward and backward kernels.
+3. Host cost of one call at 128x128 through each registration style.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
+from llmsys_bench import harness  # noqa: E402
+
+import llmsys.kernels_swiglu as ks  # noqa: E402
+from llmsys.kernels_swiglu import kernels, ops  # noqa: E402
+
+
+@triton.jit
+def silu_variants_kernel(a_ptr, out_ptr, n, VARIANT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask).to(tl.float32)
+    if VARIANT == 0:
+        s = a / (1.0 + tl.exp(-a))
+    elif VARIANT == 1:
+        s = tl.div_rn(a, 1.0 + tl.exp(-a))
+    elif VARIANT == 2:
+        s = a * tl.sigmoid(a)
+    elif VARIANT == 3:
+        s = tl.div_rn(a, 1.0 + libdevice.exp(-a))
+    else:
+        s = a / (1.0 + libdevice.exp(-a))
+    tl.store(out_ptr + offs, s.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def exactness():
+    names = ["a/(1+exp(-a))", "div_rn(a,1+exp(-a))", "a*sigmoid(a)", "div_rn(a,1+libdevice.exp)", "a/(1+libdevice.exp)"]
+    for dtype in (torch.bfloat16, torch.float16):
+        bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+        a = bits.view(dtype).cuda()
+        a = a[torch.isfinite(a)]
+        ref = F.silu(a)
+        for v, name in enumerate(names):
+            out = torch.full_like(a, float("nan"))
+            silu_variants_kernel[(triton.cdiv(a.numel(), 1024),)](a, out, a.numel(), VARIANT=v, BLOCK=1024)
+            bad = ~((out == ref) | (out.isnan() & ref.isnan()))
+            print(f"exact {dtype}: {name:28} mismatches {int(bad.sum())} of {a.numel()}")
+        b = torch.randn_like(a)
+        ours = ks.swiglu(a, b)
+        eq = torch.equal(ours, F.silu(a) * b)
+        close = torch.allclose(ours, F.silu(a) * b)
+        print(f"exact {dtype}: package swiglu equal={eq} allclose={close}")
+
+
+def tuning():
+    configs = [(512, 4), (1024, 2), (1024, 4), (2048, 8), (4096, 8), (8192, 16), (16384, 32)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26):
+            a, b, g = (torch.randn(n, device="cuda", dtype=dtype) for _ in range(3))
+            out, da, db = (torch.empty_like(a) for _ in range(3))
+            copy = harness.time_ms(lambda: out.copy_(a))[1]
+            line = []
+            for block, warps in configs:
+                grid = (triton.cdiv(n, block),)
+                comp = tl.float32
+                f = harness.time_ms(lambda: kernels.swiglu_fwd_kernel[grid](a, b, out, n, COMPUTE_DTYPE=comp, PRECISE=True, BLOCK_SIZE=block, num_warps=warps))[1]
+                bw = harness.time_ms(lambda: kernels.swiglu_bwd_kernel[grid](g, a, b, da, db, n, COMPUTE_DTYPE=comp, PRECISE=True, BLOCK_SIZE=block, num_warps=warps))[1]
+                line.append(f"{block}/{warps}: f{f*1e3:7.1f} b{bw*1e3:7.1f}")
+            eager = harness.time_ms(lambda: F.silu(a) * b)[1]
+            print(f"tune {str(dtype):15} n=2^{n.bit_length()-1}: eager {eager*1e3:7.1f}us copy(2 tensors) {copy*1e3:7.1f}us | " + " | ".join(line))
+
+
+def host_cost():
+    a = torch.randn(128, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    lib = torch.library.Library("llmsys_explore", "DEF")
+    lib.define("swiglu_noautograd(Tensor a, Tensor b) -> Tensor")
+    lib.impl("swiglu_noautograd", ops._swiglu_fwd, "CUDA")
+    out = torch.empty_like(a)
+    n = a.numel()
+    comp = tl.float32
+
+    def plain_triton():
+        o = torch.empty_like(a)
+        kernels.swiglu_fwd_kernel[(16,)](a, b, o, n, COMPUTE_DTYPE=comp, PRECISE=True, BLOCK_SIZE=1024, num_warps=4)
+        return o
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            with torch._C._AutoDispatchBelowAutograd():
+                return torch.ops.llmsys_explore.swiglu_custom_autograd(a, b)
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            return torch.ops.llm_scaling_week.swiglu_bwd(g, a, b)
+
+    def autograd_kernel(a, b):
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return Fn.apply(a, b)
+        with torch._C._AutoDispatchBelowAutograd():
+            return torch.ops.llmsys_explore.swiglu_custom_autograd(a, b)
+
+    lib.define("swiglu_custom_autograd(Tensor a, Tensor b) -> Tensor")
+    lib.impl("swiglu_custom_autograd", ops._swiglu_fwd, "CUDA")
+    lib.impl("swiglu_custom_autograd", autograd_kernel, "Autograd")
+
+    variants = {
+        "eager silu(a)*b": lambda: F.silu(a) * b,
+        "torch.ops swiglu_fwd (register_autograd)": lambda: torch.ops.llm_scaling_week.swiglu_fwd(a, b),
+        "torch.ops with own Autograd kernel": lambda: torch.ops.llmsys_explore.swiglu_custom_autograd(a, b),
+        "torch.ops without autograd kernel": lambda: torch.ops.llmsys_explore.swiglu_noautograd(a, b),
+        "python impl called directly (cached launch)": lambda: ops._swiglu_fwd(a, b),
+        "plain triton launch + empty_like": plain_triton,
+        "empty_like alone": lambda: torch.empty_like(a),
+        "eager F.silu alone": lambda: F.silu(a),
+    }
+    results = {name: [] for name in variants}
+    for _ in range(5):
+        for name, fn in variants.items():
+            results[name].append(harness.host_us_per_call(fn, calls=1000, repeats=3))
+    for name, values in results.items():
+        values.sort()
+        print(f"host {name:45} median {values[2]:6.2f} min {values[0]:6.2f} us/call")
+
+
+if __name__ == "__main__":
+    print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+    exactness()
+    host_cost()
+    tuning()

@@ -1,0 +1,185 @@
+"""SwiGLU sweep: sizes x dtypes x {eager, torch.compile, Liger-Kernel, ours}; fwd, fwd+bwd, host.
+
+Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys_bench.harness``) and
+``results/<gpu>.png``. Run ``python benchmarks/sweep.py --help``; the ``bench`` main job calls
+:func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
+
+from llmsys_bench import harness  # noqa: E402
+
+import llmsys.kernels_swiglu as ks  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+GPU_SHAPES = [(7, 3, 5), (128, 128), (1000, 1001), (1024, 1024), (4096, 4096), (8192, 8192), (16384, 8192)]
+CPU_SHAPES = [(7, 3, 5), (64, 64)]
+HOST_SHAPE = (128, 128)
+
+
+def eager(a, b):
+    return F.silu(a) * b
+
+
+def ours(a, b):
+    return torch.ops.llm_scaling_week.swiglu_fwd(a, b)
+
+
+def providers(device: str) -> dict:
+    found = {"eager": eager, "ours": ours}
+    if device == "cuda":
+        found["compile"] = torch.compile(eager, dynamic=False)
+        try:
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+            found["liger"] = LigerSiLUMulFunction.apply
+        except ImportError:
+            print("liger-kernel is not installed: its rows are skipped", file=sys.stderr)
+    return found
+
+
+def bytes_moved(numel: int, dtype: torch.dtype, mode: str) -> int:
+    tensors = {"fwd": 3, "fwd_bwd": 8}[mode]  # fwd: a, b, out; bwd adds g, a, b, da, db
+    return tensors * numel * dtype.itemsize
+
+
+def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[harness.Row]:
+    """Time every provider on every case; returns the rows (speed-up is eager time / time)."""
+    shapes = GPU_SHAPES if device == "cuda" else CPU_SHAPES
+    dtypes = [torch.float32, torch.bfloat16] if device == "cuda" else [torch.float32]
+    if quick:
+        shapes = shapes[:2]
+    impls = providers(device)
+    gpu, stamp = harness.device_name(device), harness.timestamp()
+    copy_bw = harness.copy_bandwidth(device)
+    rows = []
+    cases = [(s, d, m) for s in shapes for d in dtypes for m in ("fwd", "fwd_bwd")]
+    for shape, dtype, mode in cases:
+        a = torch.randn(shape, device=device, dtype=dtype, requires_grad=mode == "fwd_bwd")
+        b = torch.randn(shape, device=device, dtype=dtype, requires_grad=mode == "fwd_bwd")
+        g = torch.randn(shape, device=device, dtype=dtype)
+        eager_p50 = None
+        for name, fn in impls.items():
+            if mode == "fwd":
+                def step(fn=fn):
+                    return fn(a, b)
+            else:
+                def step(fn=fn):
+                    fn(a, b).backward(g)
+            p20, p50, p80 = harness.time_ms(step, device=device, grad_to_none=[a, b])
+            eager_p50 = p50 if name == "eager" else eager_p50
+            bandwidth = bytes_moved(math.prod(shape), dtype, mode) / (p50 * 1e-3)
+            rows.append(
+                harness.Row(
+                    kernel="swiglu",
+                    provider=name,
+                    mode=mode,
+                    x="x".join(map(str, shape)),
+                    dtype=str(dtype).removeprefix("torch."),
+                    p20=p20,
+                    p50=p50,
+                    p80=p80,
+                    throughput=bandwidth / 1e12,
+                    throughput_unit="TB/s",
+                    roofline_fraction=bandwidth / copy_bw,
+                    speedup_vs_baseline=eager_p50 / p50,
+                    gpu=gpu,
+                    version=ks.__version__,
+                    timestamp=stamp,
+                )
+            )
+        if progress:
+            progress()
+    if device == "cuda":
+        rows += host_rows(impls, gpu, stamp)
+    return rows
+
+
+def host_rows(impls: dict, gpu: str, stamp: str) -> list[harness.Row]:
+    """Host cost of one forward call at 128x128 in a host-bound loop (microseconds)."""
+    a = torch.randn(HOST_SHAPE, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    costs = {name: harness.host_us_per_call(lambda fn=fn: fn(a, b)) for name, fn in impls.items()}
+    return [
+        harness.Row(
+            kernel="swiglu",
+            provider=name,
+            mode="host",
+            x="x".join(map(str, HOST_SHAPE)),
+            dtype="bfloat16",
+            p20=us,
+            p50=us,
+            p80=us,
+            unit="us",
+            speedup_vs_baseline=costs["eager"] / us,
+            gpu=gpu,
+            version=ks.__version__,
+            timestamp=stamp,
+        )
+        for name, us in costs.items()
+    ]
+
+
+def plot(rows: list[harness.Row], path: Path) -> Path:
+    """Time relative to eager (lower is better) and achieved TB/s, per dtype and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.mode != "host"]
+    panels = sorted({(r.dtype, r.mode) for r in timed})
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
+    for col, (dtype, mode) in enumerate(panels):
+        subset = [r for r in timed if r.dtype == dtype and r.mode == mode]
+        xs = list(dict.fromkeys(r.x for r in subset))
+        for provider in dict.fromkeys(r.provider for r in subset):
+            by_x = {r.x: r for r in subset if r.provider == provider}
+            ratio = [1 / by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
+            tbs = [by_x[x].throughput if x in by_x else None for x in xs]
+            axes[0][col].plot(xs, ratio, marker="o", label=provider)
+            axes[1][col].plot(xs, tbs, marker="o", label=provider)
+        axes[0][col].set_title(f"{dtype} {mode}: time / eager")
+        axes[1][col].set_title(f"{dtype} {mode}: TB/s")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.tick_params(axis="x", rotation=45)
+            ax.grid(alpha=0.3)
+        axes[0][col].legend()
+    fig.suptitle(f"SwiGLU on {timed[0].gpu}" if timed else "SwiGLU")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="only the two smallest shapes")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the CSV and plot")
+    args = parser.parse_args(argv)
+    from tqdm import tqdm
+
+    rows = []
+    with tqdm(desc="swiglu sweep", unit="case") as bar:
+        rows = run(args.device, quick=args.quick, progress=bar.update)
+    slug = harness.device_slug(args.device)
+    print("wrote", harness.write_csv(rows, args.out / f"{slug}.csv"), plot(rows, args.out / f"{slug}.png"))
+    for r in rows:
+        print(f"{r.dtype:9} {r.mode:7} {r.x:>11} {r.provider:8} p50={r.p50:9.4f}{r.unit} "
+              f"x_eager={r.speedup_vs_baseline or 0:5.2f} frac={r.roofline_fraction or 0:5.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""One timer, one roofline and one CSV schema for every package's benchmarks.
+
+Each row of a results CSV is one (kernel, provider, mode, case): its p20/p50/p80 times, the
+throughput they imply, and that throughput as a fraction of the measured device ceiling (copy
+bandwidth for memory-bound ops, the bf16 matmul rate for compute-bound ones).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime as _dt
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from functools import cache
+from pathlib import Path
+
+import torch
+
+CSV_FIELDS = [
+    "kernel",
+    "provider",
+    "mode",
+    "x",
+    "dtype",
+    "p20",
+    "p50",
+    "p80",
+    "unit",
+    "throughput",
+    "throughput_unit",
+    "roofline_fraction",
+    "speedup_vs_baseline",
+    "config",
+    "gpu",
+    "version",
+    "timestamp",
+]
+
+
+@dataclasses.dataclass
+class Row:
+    kernel: str
+    provider: str
+    mode: str
+    x: str
+    dtype: str
+    p20: float
+    p50: float
+    p80: float
+    unit: str = "ms"
+    throughput: float | None = None
+    throughput_unit: str = ""
+    roofline_fraction: float | None = None
+    speedup_vs_baseline: float | None = None
+    config: str = ""
+    gpu: str = ""
+    version: str = ""
+    timestamp: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def device_name(device: str | torch.device = "cuda") -> str:
+    """Human name of the device: 'NVIDIA H100 80GB HBM3' or 'cpu'."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def device_slug(device: str | torch.device = "cuda") -> str:
+    """File-name form of the device: 'h100', 'h200', 'a100', or 'cpu'."""
+    name = device_name(device).lower()
+    match = re.search(r"\b([abhl]\d{2,3}|b200|gb200)\b", name)
+    if match:
+        return match.group(1)
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def timestamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def time_ms(
+    fn: Callable[[], object],
+    *,
+    device: str | torch.device = "cuda",
+    grad_to_none: Iterable[torch.Tensor] | None = None,
+    rep_ms: int = 100,
+) -> tuple[float, float, float]:
+    """(p20, p50, p80) of one call of ``fn`` in milliseconds.
+
+    On CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, warm-up first).
+    On CPU: wall clock over repeated calls after a warm-up, for smoke runs only.
+    """
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        p20, p50, p80 = triton.testing.do_bench(
+            fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8], grad_to_none=grad_to_none
+        )
+        return p20, p50, p80
+    fn()
+    samples = []
+    deadline = time.perf_counter() + rep_ms / 1000
+    while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 100):
+        if grad_to_none:
+            for t in grad_to_none:
+                t.grad = None
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1000)
+    q = statistics.quantiles(samples, n=10, method="inclusive")
+    return q[1], statistics.median(samples), q[7]
+
+
+def host_us_per_call(fn: Callable[[], object], *, calls: int = 2000, repeats: int = 5) -> float:
+    """Median host cost of one call in a host-bound loop (no synchronization inside the loop)."""
+    for _ in range(100):
+        fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    results = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        results.append((time.perf_counter() - start) / calls * 1e6)
+        sync()
+    return statistics.median(results)
+
+
+@cache
+def copy_bandwidth(device: str = "cuda") -> float:
+    """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = 256 * 2**20 if torch.device(device).type == "cuda" else 16 * 2**20
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    _, p50, _ = time_ms(lambda: dst.copy_(src), device=device)
+    return 2 * n / (p50 * 1e-3)
+
+
+@cache
+def matmul_rate(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> float:
+    """Measured dense matmul rate in FLOP/s on random 8192^3 (CUDA) or 1024^3 (CPU) operands."""
+    n = 8192 if torch.device(device).type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    _, p50, _ = time_ms(lambda: a @ b, device=device)
+    return 2 * n**3 / (p50 * 1e-3)
+
+
+def write_csv(rows: Iterable[Row], path: str | Path) -> Path:
+    """Write rows to ``path`` with the shared schema; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row.as_dict())
+    return path
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))
