@@ -17,12 +17,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
 
-from llmsys_bench import harness  # noqa: E402
-
-import llmsys.kernels_swiglu as ks  # noqa: E402
+import llmsys.kernels_swiglu as ks
+from llmsys_bench import harness
 
 RESULTS = Path(__file__).parent / "results"
-GPU_SHAPES = [(7, 3, 5), (128, 128), (1000, 1001), (1024, 1024), (4096, 4096), (8192, 8192), (16384, 8192)]
+GPU_SHAPES = [
+    (7, 3, 5),
+    (128, 128),
+    (1000, 1001),
+    (1024, 1024),
+    (4096, 4096),
+    (8192, 8192),
+    (16384, 8192),
+]
 CPU_SHAPES = [(7, 3, 5), (64, 64)]
 HOST_SHAPE = (128, 128)
 
@@ -48,6 +55,22 @@ def providers(device: str) -> dict:
     return found
 
 
+def skipped(device: str) -> list[str]:
+    """What this sweep leaves out on ``device``, and why."""
+    notes = []
+    if device != "cuda":
+        notes.append(
+            "torch.compile, Liger-Kernel and host-cost rows, bfloat16 and sizes above 64x64 need "
+            "a CUDA GPU (on CPU the Triton kernel runs under the slow interpreter)"
+        )
+    else:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            notes.append("Liger-Kernel rows: `liger-kernel` is not installed")
+    return notes
+
+
 def bytes_moved(numel: int, dtype: torch.dtype, mode: str) -> int:
     tensors = {"fwd": 3, "fwd_bwd": 8}[mode]  # fwd: a, b, out; bwd adds g, a, b, da, db
     return tensors * numel * dtype.itemsize
@@ -71,11 +94,14 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
         eager_p50 = None
         for name, fn in impls.items():
             if mode == "fwd":
+
                 def step(fn=fn):
                     return fn(a, b)
             else:
+
                 def step(fn=fn):
                     fn(a, b).backward(g)
+
             p20, p50, p80 = harness.time_ms(step, device=device, grad_to_none=[a, b])
             eager_p50 = p50 if name == "eager" else eager_p50
             bandwidth = bytes_moved(math.prod(shape), dtype, mode) / (p50 * 1e-3)
@@ -175,10 +201,16 @@ def main(argv: list[str] | None = None) -> None:
     with tqdm(desc="swiglu sweep", unit="case") as bar:
         rows = run(args.device, quick=args.quick, progress=bar.update)
     slug = harness.device_slug(args.device)
-    print("wrote", harness.write_csv(rows, args.out / f"{slug}.csv"), plot(rows, args.out / f"{slug}.png"))
+    print(
+        "wrote",
+        harness.write_csv(rows, args.out / f"{slug}.csv"),
+        plot(rows, args.out / f"{slug}.png"),
+    )
     for r in rows:
-        print(f"{r.dtype:9} {r.mode:7} {r.x:>11} {r.provider:8} p50={r.p50:9.4f}{r.unit} "
-              f"x_eager={r.speedup_vs_baseline or 0:5.2f} frac={r.roofline_fraction or 0:5.2f}")
+        print(
+            f"{r.dtype:9} {r.mode:7} {r.x:>11} {r.provider:8} p50={r.p50:9.4f}{r.unit} "
+            f"x_eager={r.speedup_vs_baseline or 0:5.2f} frac={r.roofline_fraction or 0:5.2f}"
+        )
 
 
 if __name__ == "__main__":

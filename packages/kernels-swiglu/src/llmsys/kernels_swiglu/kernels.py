@@ -32,7 +32,7 @@ def _exp_neg(a, PRECISE: tl.constexpr):
 @triton.jit
 def _div(a, b, COMPUTE_DTYPE: tl.constexpr):
     # Eager divides with IEEE rounding; Triton's float32 `/` is the 2-ulp `div.full`.
-    if COMPUTE_DTYPE == tl.float32:
+    if tl.float32 == COMPUTE_DTYPE:
         return tl.div_rn(a, b)
     else:
         return a / b

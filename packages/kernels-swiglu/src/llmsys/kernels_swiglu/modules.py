@@ -23,7 +23,9 @@ class SwiGLUFeedForward(nn.Module):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_ff", d_ff)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"SwiGLUFeedForward: `{name}` must be a positive int, got {value!r}")
+                raise ValueError(
+                    f"SwiGLUFeedForward: `{name}` must be a positive int, got {value!r}"
+                )
         self.d_model, self.d_ff = d_model, d_ff
         factory = {"device": device, "dtype": dtype}
         self.w1 = nn.Linear(d_model, d_ff, bias=False, **factory)  # gate

@@ -1,9 +1,10 @@
 """Launchers and the ``torch.ops.llm_scaling_week`` registrations.
 
 The ops are registered with a lean ``torch.library.Library`` (define + impl + fake + an
-Autograd-key kernel) rather than ``torch.library.custom_op``, and the CUDA launcher calls the compiled Triton kernel
-directly once it has been compiled for a given specialization: ``JITFunction.run`` rebinds and
-re-specializes every argument on every call, which is most of a small call's host cost.
+Autograd-key kernel) rather than ``torch.library.custom_op``, and the CUDA launcher calls the
+compiled Triton kernel directly once it has been compiled for a given specialization:
+``JITFunction.run`` rebinds and re-specializes every argument on every call, which is most of a
+small call's host cost.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def check_inputs(op: str, **tensors: torch.Tensor) -> None:
             raise TypeError(f"{op}: `{name}` must have dtype in ({allowed}), got {t.dtype}")
         if t.dtype != first.dtype:
             raise TypeError(
-                f"{op}: `{name}` must have the dtype of `{first_name}` ({first.dtype}), got {t.dtype}"
+                f"{op}: `{name}` must have the dtype of `{first_name}` ({first.dtype}), "
+                f"got {t.dtype}"
             )
         if t.shape != first.shape:
             raise ValueError(

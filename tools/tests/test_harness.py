@@ -1,0 +1,34 @@
+"""The shared benchmark harness: CSV schema, device names, CPU timing."""
+
+import torch
+
+from llmsys_bench import harness
+
+
+def test_csv_round_trip_keeps_the_schema(tmp_path):
+    row = harness.Row(
+        kernel="swiglu",
+        provider="ours",
+        mode="fwd",
+        x="7x3x5",
+        dtype="float32",
+        p20=1.0,
+        p50=2.0,
+        p80=3.0,
+        throughput=1.5,
+        throughput_unit="TB/s",
+    )
+    path = harness.write_csv([row, row], tmp_path / "r" / "cpu.csv")
+    rows = harness.read_csv(path)
+    assert list(rows[0]) == harness.CSV_FIELDS
+    assert len(rows) == 2 and rows[0]["p50"] == "2.0" and rows[0]["provider"] == "ours"
+
+
+def test_device_slug_for_cpu():
+    assert harness.device_slug("cpu") == "cpu"
+
+
+def test_cpu_timer_orders_quantiles():
+    x = torch.randn(256, 256)
+    p20, p50, p80 = harness.time_ms(lambda: x @ x, device="cpu", rep_ms=20)
+    assert 0 < p20 <= p50 <= p80
