@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         "Times are medians (p50); `vs baseline` is the baseline provider's time over this one's "
         "(higher is faster); the roofline is the measured copy bandwidth.\n"
     )
+    if device == "cpu":
+        header += (
+            "\n> CPU-only machine: the Triton kernels ran under the interpreter at tiny sizes. "
+            "These rows show that every package's benchmark runs; they say nothing about speed.\n"
+        )
     skipped_text = "\n## Skipped here\n\n" + "\n".join(f"- {s}" for s in skipped) + "\n"
     report = out / "REPORT.md"
     report.write_text(header + "\n" + "\n".join(sections) + (skipped_text if skipped else ""))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.llm_scaling_week.*)
+from . import ops  # registers torch.ops.llm_scaling_week.*
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -28,4 +28,6 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Both gradients come from one Triton pass (``torch.ops.llm_scaling_week.swiglu_bwd``); the op
     works under ``torch.compile(fullgraph=True)``. Double backward is not supported.
     """
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        ops.check_inputs("swiglu", a=a, b=b)  # a TypeError naming the argument
     return torch.ops.llm_scaling_week.swiglu_fwd(a, b)

@@ -137,7 +137,7 @@ def _swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not a.is_cuda and not CPU_RUNS_TRITON:
         return swiglu_reference(a, b).contiguous()
     a, b = a.contiguous(), b.contiguous()  # non-contiguous inputs cost one copy each
-    out = torch.empty_like(a)
+    out = torch.empty_like(a, memory_format=torch.contiguous_format)
     if a.numel():
         _launch(swiglu_fwd_kernel, (a, b, out), a.numel())
     return out
@@ -151,7 +151,8 @@ def _swiglu_bwd(
         grad_a, grad_b = swiglu_backward_reference(grad_out, a, b)
         return grad_a.contiguous(), grad_b.contiguous()
     grad_out, a, b = grad_out.contiguous(), a.contiguous(), b.contiguous()
-    grad_a, grad_b = torch.empty_like(a), torch.empty_like(b)
+    grad_a = torch.empty_like(a, memory_format=torch.contiguous_format)
+    grad_b = torch.empty_like(b, memory_format=torch.contiguous_format)
     if a.numel():
         _launch(swiglu_bwd_kernel, (grad_out, a, b, grad_a, grad_b), a.numel())
     return grad_a, grad_b
@@ -186,6 +187,8 @@ class _SwiGLUFunction(torch.autograd.Function):
 def _swiglu_fwd_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # The Autograd-key kernel. `torch.library.register_autograd` would do the same job, but its
     # generic wrapper doubled the host cost of a small call on an H100 host (NOTES.md).
+    if a is None or b is None:  # the schema lets None through as an undefined tensor
+        check_inputs("swiglu_fwd", a=a, b=b)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return _SwiGLUFunction.apply(a, b)
     if type(a) is torch.Tensor and type(b) is torch.Tensor and a.is_cuda and _no_dispatch_mode():
