@@ -137,7 +137,7 @@ def host_us_per_call(fn: Callable[[], object], *, calls: int = 2000, repeats: in
 @cache
 def copy_bandwidth(device: str = "cuda") -> float:
     """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
-    n = 256 * 2**20 if torch.device(device).type == "cuda" else 16 * 2**20
+    n = 2**30 if torch.device(device).type == "cuda" else 16 * 2**20  # bytes read
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
     _, p50, _ = time_ms(lambda: dst.copy_(src), device=device)

@@ -202,8 +202,74 @@ def host_cost():
         print(f"host {name:45} median {values[2]:6.2f} min {values[0]:6.2f} us/call")
 
 
+def fwd_bwd_host():
+    """Is fwd+bwd host-bound? Host us of one autograd step, and do_bench with and without it."""
+    for shape in [(128, 128), (4096, 4096)]:
+        a = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn_like(a, requires_grad=True)
+        g = torch.randn_like(a)
+        steps = {
+            "eager": lambda: (F.silu(a) * b).backward(g),
+            "ours": lambda: ks.swiglu(a, b).backward(g),
+            "ours bwd op alone": lambda: torch.ops.llm_scaling_week.swiglu_bwd(g, a, b),
+        }
+        for name, step in steps.items():
+            host = harness.host_us_per_call(step, calls=200, repeats=3)
+            device = harness.time_ms(step, grad_to_none=[a, b])[1] * 1e3
+            print(f"fwdbwd {shape} {name:18} host {host:7.1f} us/step  do_bench {device:7.1f} us")
+
+
+def fwd_bwd_breakdown():
+    """Where does a small fwd+bwd step's host time go? (128x128 bf16)"""
+    a = torch.randn(128, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn_like(a, requires_grad=True)
+    g = torch.randn_like(a)
+
+    class EagerFunction(torch.autograd.Function):  # Python Function overhead, eager math
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return F.silu(a) * b
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return ops.swiglu_backward_reference(grad, a, b)
+
+    class DirectFunction(torch.autograd.Function):  # our kernels, no dispatcher in between
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return ops._swiglu_fwd(a, b)
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = ctx.saved_tensors
+            return ops._swiglu_bwd(grad, a, b)
+
+    out_eager = F.silu(a) * b
+    out_ours = ks.swiglu(a, b)
+    steps = {
+        "eager fwd (graph built)": lambda: F.silu(a) * b,
+        "ours fwd (graph built)": lambda: ks.swiglu(a, b),
+        "eager backward only": lambda: out_eager.backward(g, retain_graph=True),
+        "ours backward only": lambda: out_ours.backward(g, retain_graph=True),
+        "EagerFunction fwd+bwd": lambda: EagerFunction.apply(a, b).backward(g),
+        "DirectFunction fwd+bwd": lambda: DirectFunction.apply(a, b).backward(g),
+        "ours fwd+bwd": lambda: ks.swiglu(a, b).backward(g),
+        "eager fwd+bwd": lambda: (F.silu(a) * b).backward(g),
+        "_swiglu_bwd direct, no grad": lambda: ops._swiglu_bwd(g, a.detach(), b.detach()),
+        "swiglu_bwd op, no grad": lambda: torch.ops.llm_scaling_week.swiglu_bwd(
+            g, a.detach(), b.detach()
+        ),
+    }
+    for name, step in steps.items():
+        host = harness.host_us_per_call(step, calls=200, repeats=3)
+        print(f"breakdown {name:30} host {host:7.1f} us")
+
+
 if __name__ == "__main__":
     print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
-    parts = sys.argv[1:] or ["exactness", "host_cost", "tuning"]
+    parts = sys.argv[1:] or ["exactness", "host_cost", "fwd_bwd_host", "tuning"]
     for part in parts:
         globals()[part]()

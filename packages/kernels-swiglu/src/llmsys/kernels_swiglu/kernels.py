@@ -39,6 +39,31 @@ def _div(a, b, COMPUTE_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_fwd_math(a, b, out_dtype, COMPUTE_DTYPE: tl.constexpr, PRECISE: tl.constexpr):
+    # Round silu(a) to the input dtype before the multiply, exactly as eager does.
+    x = a.to(COMPUTE_DTYPE)
+    silu = _div(x, 1.0 + _exp_neg(x, PRECISE), COMPUTE_DTYPE).to(a.dtype)
+    return (silu.to(COMPUTE_DTYPE) * b.to(COMPUTE_DTYPE)).to(out_dtype)
+
+
+@triton.jit
+def _swiglu_bwd_math(g, a, b, COMPUTE_DTYPE: tl.constexpr, PRECISE: tl.constexpr):
+    g = g.to(COMPUTE_DTYPE)
+    x = a.to(COMPUTE_DTYPE)
+    denominator = 1.0 + _exp_neg(x, PRECISE)
+    sig = 1.0 / denominator
+    silu = _div(x, denominator, COMPUTE_DTYPE).to(b.dtype).to(COMPUTE_DTYPE)  # as in forward
+    grad_a = g * b.to(COMPUTE_DTYPE) * sig * (1.0 + x * (1.0 - sig))
+    grad_b = g * silu
+    return grad_a, grad_b
+
+
+# Full blocks load and store without a mask. A mask `offsets < n_elements` with n_elements not
+# a multiple of 16 would split every access into scalar ones (Triton cannot prove the mask is
+# uniform over a 16-byte vector): a 1000x1001 tensor ran at 0.73-0.81x eager instead of ~0.65x.
+
+
+@triton.jit
 def swiglu_fwd_kernel(
     # pointers
     a_ptr,
@@ -51,15 +76,20 @@ def swiglu_fwd_kernel(
     PRECISE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offsets < n_elements
-    a = tl.load(a_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-    b = tl.load(b_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-    # Round silu(a) to the input dtype before the multiply, exactly as eager does.
-    x = a.to(COMPUTE_DTYPE)
-    silu = _div(x, 1.0 + _exp_neg(x, PRECISE), COMPUTE_DTYPE).to(a.dtype)
-    out = silu.to(COMPUTE_DTYPE) * b.to(COMPUTE_DTYPE)
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    start = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
+    offsets = start + tl.arange(0, BLOCK_SIZE)
+    out_dtype = out_ptr.dtype.element_ty
+    if start + BLOCK_SIZE <= n_elements:
+        a = tl.load(a_ptr + offsets, eviction_policy="evict_first")
+        b = tl.load(b_ptr + offsets, eviction_policy="evict_first")
+        out = _swiglu_fwd_math(a, b, out_dtype, COMPUTE_DTYPE, PRECISE)
+        tl.store(out_ptr + offsets, out)
+    else:
+        mask = offsets < n_elements
+        a = tl.load(a_ptr + offsets, mask=mask, other=0.0)
+        b = tl.load(b_ptr + offsets, mask=mask, other=0.0)
+        out = _swiglu_fwd_math(a, b, out_dtype, COMPUTE_DTYPE, PRECISE)
+        tl.store(out_ptr + offsets, out, mask=mask)
 
 
 @triton.jit
@@ -77,17 +107,20 @@ def swiglu_bwd_kernel(
     PRECISE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    mask = offsets < n_elements
-    g = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-    a = tl.load(a_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-    b = tl.load(b_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-    g = g.to(COMPUTE_DTYPE)
-    a = a.to(COMPUTE_DTYPE)
-    denominator = 1.0 + _exp_neg(a, PRECISE)
-    sig = 1.0 / denominator
-    silu = _div(a, denominator, COMPUTE_DTYPE).to(b.dtype).to(COMPUTE_DTYPE)  # as in forward
-    grad_a = g * b.to(COMPUTE_DTYPE) * sig * (1.0 + a * (1.0 - sig))
-    grad_b = g * silu
-    tl.store(grad_a_ptr + offsets, grad_a.to(grad_a_ptr.dtype.element_ty), mask=mask)
-    tl.store(grad_b_ptr + offsets, grad_b.to(grad_b_ptr.dtype.element_ty), mask=mask)
+    start = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
+    offsets = start + tl.arange(0, BLOCK_SIZE)
+    if start + BLOCK_SIZE <= n_elements:
+        g = tl.load(grad_out_ptr + offsets, eviction_policy="evict_first")
+        a = tl.load(a_ptr + offsets, eviction_policy="evict_first")
+        b = tl.load(b_ptr + offsets, eviction_policy="evict_first")
+        grad_a, grad_b = _swiglu_bwd_math(g, a, b, COMPUTE_DTYPE, PRECISE)
+        tl.store(grad_a_ptr + offsets, grad_a.to(grad_a_ptr.dtype.element_ty))
+        tl.store(grad_b_ptr + offsets, grad_b.to(grad_b_ptr.dtype.element_ty))
+    else:
+        mask = offsets < n_elements
+        g = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0)
+        a = tl.load(a_ptr + offsets, mask=mask, other=0.0)
+        b = tl.load(b_ptr + offsets, mask=mask, other=0.0)
+        grad_a, grad_b = _swiglu_bwd_math(g, a, b, COMPUTE_DTYPE, PRECISE)
+        tl.store(grad_a_ptr + offsets, grad_a.to(grad_a_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_b_ptr + offsets, grad_b.to(grad_b_ptr.dtype.element_ty), mask=mask)

@@ -146,7 +146,13 @@ def _swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _swiglu_bwd(
     grad_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_inputs("swiglu_bwd", a=a, b=b, grad_out=grad_out)
+    if not (
+        a.dtype in _SUPPORTED
+        and a.dtype == b.dtype == grad_out.dtype
+        and a.shape == b.shape == grad_out.shape
+        and a.get_device() == b.get_device() == grad_out.get_device()
+    ):
+        check_inputs("swiglu_bwd", a=a, b=b, grad_out=grad_out)
     if not a.is_cuda and not CPU_RUNS_TRITON:
         grad_a, grad_b = swiglu_backward_reference(grad_out, a, b)
         return grad_a.contiguous(), grad_b.contiguous()
@@ -171,16 +177,33 @@ def _swiglu_bwd_fake(grad_out, a, b):
     return empty, torch.empty_like(empty)
 
 
+def _direct_call_ok(*tensors: torch.Tensor) -> bool:
+    """True when an impl may be called without a second trip through the dispatcher.
+
+    That trip is a third of a small call's host cost (NOTES.md); skipping it is only safe for
+    plain CUDA tensors with no tracing, tensor subclass (fake, functional) or dispatch mode
+    that would want to see the op.
+    """
+    return (
+        all(type(t) is torch.Tensor and t.is_cuda for t in tensors)
+        and not torch._C._len_torch_dispatch_stack()
+    )
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
+        if _direct_call_ok(a, b):
+            return _swiglu_fwd(a, b)
         with torch._C._AutoDispatchBelowAutograd():
             return torch.ops.llm_scaling_week.swiglu_fwd.default(a, b)
 
     @staticmethod
     def backward(ctx, grad_out):
         a, b = ctx.saved_tensors
+        if _direct_call_ok(grad_out, a, b):
+            return _swiglu_bwd(grad_out, a, b)
         return torch.ops.llm_scaling_week.swiglu_bwd.default(grad_out, a, b)
 
 
@@ -191,16 +214,10 @@ def _swiglu_fwd_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         check_inputs("swiglu_fwd", a=a, b=b)
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         return _SwiGLUFunction.apply(a, b)
-    if type(a) is torch.Tensor and type(b) is torch.Tensor and a.is_cuda and _no_dispatch_mode():
-        # Plain CUDA tensors with no tracing, subclass or mode below us: skip the second trip
-        # through the dispatcher, which is a third of a small call's host cost.
+    if _direct_call_ok(a, b):
         return _swiglu_fwd(a, b)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.llm_scaling_week.swiglu_fwd.default(a, b)
-
-
-def _no_dispatch_mode() -> bool:
-    return not torch._C._len_torch_dispatch_stack()
 
 
 for _device in ("CPU", "CUDA"):
