@@ -63,6 +63,18 @@ class Row:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: dict) -> Row:
+        """A row back from a CSV record: numbers parsed, empty cells as None."""
+        parsed = {}
+        for field in dataclasses.fields(cls):
+            raw = values.get(field.name, "")
+            if field.type in ("float", "float | None"):
+                parsed[field.name] = float(raw) if raw not in ("", None) else None
+            else:
+                parsed[field.name] = raw
+        return cls(**parsed)
+
 
 def device_name(device: str | torch.device = "cuda") -> str:
     """Human name of the device: 'NVIDIA H100 80GB HBM3' or 'cpu'."""

@@ -184,7 +184,9 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
             tbs = [by_x[x].throughput if x in by_x else None for x in xs]
             axes[0][col].plot(xs, ratio, marker="o", label=provider)
             axes[1][col].plot(xs, tbs, marker="o", label=provider)
-        axes[0][col].set_title(f"{dtype} {mode}: time / eager")
+        axes[0][col].axhline(0.62 if mode == "fwd" else 0.65, color="gray", ls="--", lw=1)
+        axes[0][col].set_yscale("log")
+        axes[0][col].set_title(f"{dtype} {mode}: time / eager (dashed: target)")
         axes[1][col].set_title(f"{dtype} {mode}: TB/s")
         for ax in (axes[0][col], axes[1][col]):
             ax.tick_params(axis="x", rotation=45)
@@ -203,7 +205,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="only the two smallest shapes")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the CSV and plot")
+    parser.add_argument("--replot", type=Path, help="only redraw the plot of a results CSV")
     args = parser.parse_args(argv)
+    if args.replot:
+        rows = [harness.Row.from_dict(r) for r in harness.read_csv(args.replot)]
+        print("wrote", plot(rows, args.replot.with_suffix(".png")))
+        return
     from tqdm import tqdm
 
     rows = []

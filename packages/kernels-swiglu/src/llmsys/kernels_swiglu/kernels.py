@@ -80,8 +80,8 @@ def swiglu_fwd_kernel(
     offsets = start + tl.arange(0, BLOCK_SIZE)
     out_dtype = out_ptr.dtype.element_ty
     if start + BLOCK_SIZE <= n_elements:
-        a = tl.load(a_ptr + offsets, eviction_policy="evict_first")
-        b = tl.load(b_ptr + offsets, eviction_policy="evict_first")
+        a = tl.load(a_ptr + offsets)
+        b = tl.load(b_ptr + offsets)
         out = _swiglu_fwd_math(a, b, out_dtype, COMPUTE_DTYPE, PRECISE)
         tl.store(out_ptr + offsets, out)
     else:
@@ -110,9 +110,9 @@ def swiglu_bwd_kernel(
     start = tl.program_id(0).to(tl.int64) * BLOCK_SIZE
     offsets = start + tl.arange(0, BLOCK_SIZE)
     if start + BLOCK_SIZE <= n_elements:
-        g = tl.load(grad_out_ptr + offsets, eviction_policy="evict_first")
-        a = tl.load(a_ptr + offsets, eviction_policy="evict_first")
-        b = tl.load(b_ptr + offsets, eviction_policy="evict_first")
+        g = tl.load(grad_out_ptr + offsets)
+        a = tl.load(a_ptr + offsets)
+        b = tl.load(b_ptr + offsets)
         grad_a, grad_b = _swiglu_bwd_math(g, a, b, COMPUTE_DTYPE, PRECISE)
         tl.store(grad_a_ptr + offsets, grad_a.to(grad_a_ptr.dtype.element_ty))
         tl.store(grad_b_ptr + offsets, grad_b.to(grad_b_ptr.dtype.element_ty))
