@@ -1,4 +1,4 @@
-"""SwiGLU sweep: sizes x dtypes x {eager, torch.compile, Liger-Kernel, ours}; fwd, fwd+bwd, host.
+"""SwiGLU sweep: sizes x dtypes x {eager, torch.compile, Liger, ours}; fwd, bwd, fwd+bwd, host.
 
 Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys_bench.harness``) and
 ``results/<gpu>.png``. Run ``python benchmarks/sweep.py --help``; the ``bench`` main job calls
@@ -73,7 +73,7 @@ def skipped(device: str) -> list[str]:
 
 
 def bytes_moved(numel: int, dtype: torch.dtype, mode: str) -> int:
-    tensors = {"fwd": 3, "fwd_bwd": 8}[mode]  # fwd: a, b, out; bwd adds g, a, b, da, db
+    tensors = {"fwd": 3, "bwd": 5, "fwd_bwd": 8}[mode]  # fwd: a, b, out; bwd: g, a, b, da, db
     return tensors * numel * dtype.itemsize
 
 
@@ -87,10 +87,10 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
     gpu, stamp = harness.device_name(device), harness.timestamp()
     copy_bw = harness.copy_bandwidth(device)
     rows = []
-    cases = [(s, d, m) for s in shapes for d in dtypes for m in ("fwd", "fwd_bwd")]
+    cases = [(s, d, m) for s in shapes for d in dtypes for m in ("fwd", "bwd", "fwd_bwd")]
     for shape, dtype, mode in cases:
-        a = torch.randn(shape, device=device, dtype=dtype, requires_grad=mode == "fwd_bwd")
-        b = torch.randn(shape, device=device, dtype=dtype, requires_grad=mode == "fwd_bwd")
+        a = torch.randn(shape, device=device, dtype=dtype, requires_grad=mode != "fwd")
+        b = torch.randn(shape, device=device, dtype=dtype, requires_grad=mode != "fwd")
         g = torch.randn(shape, device=device, dtype=dtype)
         eager_p50 = None
         for name, fn in impls.items():
@@ -98,6 +98,11 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
 
                 def step(fn=fn):
                     return fn(a, b)
+            elif mode == "bwd":
+                out = fn(a, b)  # the graph is kept, so each call times the backward alone
+
+                def step(out=out):
+                    out.backward(g, retain_graph=True)
             else:
 
                 def step(fn=fn):
@@ -184,7 +189,9 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
             tbs = [by_x[x].throughput if x in by_x else None for x in xs]
             axes[0][col].plot(xs, ratio, marker="o", label=provider)
             axes[1][col].plot(xs, tbs, marker="o", label=provider)
-        axes[0][col].axhline(0.62 if mode == "fwd" else 0.65, color="gray", ls="--", lw=1)
+        target = {"fwd": 0.62, "fwd_bwd": 0.65}.get(mode)
+        if target:
+            axes[0][col].axhline(target, color="gray", ls="--", lw=1)
         axes[0][col].set_yscale("log")
         axes[0][col].set_title(f"{dtype} {mode}: time / eager (dashed: target)")
         axes[1][col].set_title(f"{dtype} {mode}: TB/s")
