@@ -1,7 +1,7 @@
-"""Test configuration: Triton's interpreter on CPU-only machines, a `device` fixture, `gpu` skips.
+"""pytest configuration shared by every package's tests and benchmarks.
 
-pytest imports this file before any test module, so the environment variable is set before Triton
-or the package is imported.
+pytest imports this file before any test module, so on a machine without a GPU the Triton
+kernels are switched to the interpreter (CPU tensors) before any package imports Triton.
 """
 
 import os
@@ -11,14 +11,11 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # run the Triton kernels on CPU tensors
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped, with that reason, where there is no CUDA GPU."""
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
