@@ -1,0 +1,190 @@
+"""The public functions: quantize per row or column, multiply in int8, or both at once."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import ops  # registers torch.ops.llmsys.int8_*
+
+
+def _require_tensors(op: str, optional: tuple[str, ...] = (), **values) -> None:
+    # The dispatcher's own schema error (a RuntimeError naming no argument) would come first.
+    for name, value in values.items():
+        if not isinstance(value, torch.Tensor) and not (value is None and name in optional):
+            raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _direct(*tensors: torch.Tensor | None) -> bool:
+    """Whether to call the implementation in ops.py directly instead of through
+    ``torch.ops.llmsys``: in eager mode (not tracing for torch.compile), with no torch-function
+    or dispatch mode active, on plain tensors. The dispatcher's round trip through Python (its
+    Autograd kernel, then the device kernel) was most of a decode call's host cost
+    (benchmarks/NOTES.md); tracing, modes and tensor subclasses still see the registered ops."""
+    return (
+        not torch.compiler.is_compiling()
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch._C._len_torch_dispatch_stack()
+        and all(t is None or type(t) is torch.Tensor for t in tensors)
+    )
+
+
+def _wants_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def quantize_int8_perrow(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row INT8 quantization (one Triton pass over ``x``).
+
+    ``scale = max|row| / 127`` (float32, rounded to ``x.dtype``) and ``q = round(x / scale)``
+    clamped to [-127, 127], rounding half to even and dividing by the stored scale. An all-zero
+    row gives ``scale`` 0 and zeros, never NaN or Inf.
+
+    Args:
+        x: (M, K) float16, bfloat16 or float32, any strides, on CUDA (Triton) or CPU (the eager
+            reference, or the Triton kernel under ``TRITON_INTERPRET=1``).
+
+    Returns:
+        ``q`` (M, K) int8, contiguous, and ``scale`` (M,) in ``x.dtype``. Neither requires grad.
+
+    Raises:
+        TypeError: ``x`` is not a tensor or not float16/bfloat16/float32.
+        ValueError: ``x`` is not 2-D.
+    """
+    _require_tensors("quantize_int8_perrow", x=x)
+    if _direct(x):
+        return ops.quantize(x)
+    return torch.ops.llmsys.int8_quantize_perrow(x)
+
+
+def quantize_int8(weight: torch.Tensor, axis: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight per column (``axis=0``, for the GEMM's B) or per row (``axis=1``).
+
+    Args:
+        weight: (K, N) float16, bfloat16 or float32.
+        axis: the dimension reduced over. 0 (or -2): one scale per column, ``scale`` (N,), and
+            ``q`` (K, N) column-major, ``q.stride() == (1, K)``, the layout
+            :func:`matmul_int8` reads fastest. 1 (or -1): per row, as
+            :func:`quantize_int8_perrow`. Default 0.
+
+    Returns:
+        ``(q, scale)`` as above, ``scale`` in ``weight.dtype``.
+
+    For an ``nn.Linear`` weight (N, K), ``quantize_int8(linear.weight.t())`` gives the (K, N)
+    operand ``y = x @ W.T`` needs (``Int8Linear.from_float`` does this).
+    """
+    _require_tensors("quantize_int8", weight=weight)
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_int8: `weight` must be 2-D (K, N), got {tuple(weight.shape)}")
+    if isinstance(axis, bool) or axis not in (0, 1, -1, -2):
+        raise ValueError(f"quantize_int8: `axis` must be 0 or 1 (or -2, -1), got {axis!r}")
+    if axis in (0, -2):
+        q, scale = quantize_int8_perrow(weight.t())  # q (N, K) row-major
+        return q.t(), scale  # (K, N) column-major
+    return quantize_int8_perrow(weight)
+
+
+def matmul_int8(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A8 GEMM: ``(a @ b) * a_scale[:, None] * b_scale[None, :] (+ bias)``.
+
+    The int8 products are summed exactly in int32 on the tensor cores (a K longer than 131071 is
+    split and the int32 partials summed in int64), then scaled in float32 in that order, the bias
+    added in float32, and the result cast once to the output dtype.
+
+    Args:
+        a: (M, K) int8; row-major is fastest.
+        a_scale: (M,) float16, bfloat16 or float32; its dtype is the output dtype.
+        b: (K, N) int8; column-major (``b.stride() == (1, K)``, what :func:`quantize_int8` returns)
+            is fastest, any strides work.
+        b_scale: (N,) float16, bfloat16 or float32.
+        out: optional (M, N) float16/bfloat16/float32 tensor to write into (its dtype wins).
+        bias: optional (N,) float16, bfloat16 or float32.
+
+    Returns:
+        (M, N) in ``a_scale.dtype``, or ``out``.
+
+    Raises:
+        TypeError: a wrong dtype (``a``/``b`` not int8, scales, bias or ``out`` not float).
+        ValueError: wrong dimensions, K mismatch, scale/bias/``out`` lengths or shapes, devices
+            that differ.
+        RuntimeError: grad mode is on and a scale or the bias requires grad (inference-only).
+    """
+    _require_tensors(
+        "matmul_int8",
+        ("out", "bias"),
+        a=a,
+        a_scale=a_scale,
+        b=b,
+        b_scale=b_scale,
+        out=out,
+        bias=bias,
+    )
+    if _direct(a, a_scale, b, b_scale, out, bias):
+        if _wants_grad(a_scale, b_scale, bias):
+            raise ops.inference_only_error("matmul_int8")
+        if out is None:
+            return ops.matmul(a, a_scale, b, b_scale, bias)
+        ops.matmul_out(a, a_scale, b, b_scale, bias, out)
+        return out
+    if out is None:
+        return torch.ops.llmsys.int8_matmul(a, a_scale, b, b_scale, bias)
+    torch.ops.llmsys.int8_matmul_out(a, a_scale, b, b_scale, bias, out)
+    return out
+
+
+def matmul_quantize_int8(
+    fpa: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize the rows of ``fpa`` per token, then :func:`matmul_int8`.
+
+    Args:
+        fpa: (..., K) float16, bfloat16 or float32 activations; leading dimensions are flattened
+            into M = prod(...) rows (a 1-D ``fpa`` is one row).
+        b: (K, N) int8, column-major fastest (from ``quantize_int8(w, axis=0)``).
+        b_scale: (N,) float16, bfloat16 or float32.
+        out: optional (..., N) float tensor to write into; it must be viewable as (M, N).
+
+    Returns:
+        (..., N) in ``fpa.dtype`` (or ``out``).
+
+    Raises:
+        TypeError, ValueError: as :func:`quantize_int8_perrow` and :func:`matmul_int8`, for
+            ``fpa`` of fewer than one dimension, and for ``out`` of the wrong shape.
+        RuntimeError: grad mode is on and ``fpa`` requires grad (inference-only).
+    """
+    _require_tensors("matmul_quantize_int8", ("out",), fpa=fpa, b=b, b_scale=b_scale, out=out)
+    if fpa.dim() < 1:
+        raise ValueError("matmul_quantize_int8: `fpa` must have a last dimension K, got a scalar")
+    if torch.is_grad_enabled() and fpa.requires_grad:
+        raise ops.inference_only_error("matmul_quantize_int8")
+    k, lead = fpa.shape[-1], fpa.shape[:-1]
+    q, scale = quantize_int8_perrow(fpa.reshape(math.prod(lead), k))  # (M, K), (M,)
+    if out is None:
+        result = matmul_int8(q, scale, b, b_scale)  # (M, N)
+        return result.reshape(*lead, result.shape[1])
+    if b.dim() != 2:
+        ops.check_matmul_inputs(q, scale, b, b_scale, None)  # raises, naming `b`
+    n = b.shape[1]
+    if out.shape != (*lead, n):
+        raise ValueError(
+            f"matmul_quantize_int8: `out` must have shape {(*lead, n)}, got {tuple(out.shape)}"
+        )
+    try:
+        out2d = out.view(-1, n)  # (M, N), sharing out's storage
+    except RuntimeError as error:
+        raise ValueError(
+            f"matmul_quantize_int8: `out` must be viewable as (M, N); strides {out.stride()}"
+        ) from error
+    matmul_int8(q, scale, b, b_scale, out=out2d)
+    return out

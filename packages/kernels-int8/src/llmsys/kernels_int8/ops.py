@@ -1,0 +1,412 @@
+"""Input checks, launchers and the ``torch.ops.llmsys.int8_*`` registrations.
+
+    int8_quantize_perrow(Tensor x) -> (Tensor q, Tensor scale)
+    int8_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias) -> Tensor
+    int8_matmul_out(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias,
+                    Tensor(a!) out) -> ()
+
+The ops are registered with a lean ``torch.library.Library`` (define + impl + fake), so
+``torch.compile(fullgraph=True)`` sees them as single nodes. They are inference-only: the GEMM's
+Autograd-key kernel raises when grad mode is on and a scale or the bias requires grad; the
+quantizer's outputs never require grad (``q`` is integer, the scale is treated as a constant), so
+callers that quantize differentiable activations (functional.py, modules.py) raise themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import nullcontext
+
+import torch
+import triton
+
+from . import tuning
+from .kernels import (
+    perrow_w8a8_matmul_kernel,
+    perrow_w8a8_matmul_tma_kernel,
+    quantize_int8_perrow_kernel,
+    splitk_epilogue_kernel,
+)
+from .reference import matmul_int8_reference, quantize_int8_perrow_reference
+
+try:  # host-side tensor descriptors for the copy engine (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: the pointer kernel does everything
+    TensorDescriptor = None
+
+NAMESPACE = "llmsys"
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The int32 accumulator is exact for at most this many int8 products (|a * b| <= 128 * 128);
+# a longer K is split into ranges of at most this length whose partials are summed in int64.
+MAX_K_PER_SPLIT = (2**31 - 1) // (128 * 128)  # 131071
+
+# Under TRITON_INTERPRET=1 `triton.jit` returns an interpreter object that runs on CPU tensors.
+CPU_RUNS_TRITON = type(quantize_int8_perrow_kernel).__name__ == "InterpretedFunction"
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_lib.define("int8_quantize_perrow(Tensor x) -> (Tensor, Tensor)")
+_lib.define(
+    "int8_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias=None) -> Tensor"
+)
+_lib.define(
+    "int8_matmul_out(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias, "
+    "Tensor(a!) out) -> ()"
+)
+
+
+# --- checks --------------------------------------------------------------------------------------
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def _check_tensor(op: str, name: str, t, dtypes, dim: int, shape_doc: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: `{name}` must have dtype in ({_names(dtypes)}), got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{op}: `{name}` must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
+
+
+def _check_device(op: str, name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(
+            f"{op}: `{name}` must be on the device of `a` ({ref.device}), got {t.device}"
+        )
+
+
+def check_quantize_input(x) -> None:
+    """Raise ``TypeError``/``ValueError`` naming ``x`` unless it is a 2-D float tensor."""
+    _check_tensor("int8_quantize_perrow", "x", x, FLOAT_DTYPES, 2, "(M, K); reshape(-1, K) first")
+
+
+def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the first bad argument of the GEMM."""
+    op = "int8_matmul"
+    _check_tensor(op, "a", a, (torch.int8,), 2, "(M, K)")
+    _check_tensor(op, "b", b, (torch.int8,), 2, "(K, N)")
+    (m, k), n = a.shape, b.shape[1]
+    if b.shape[0] != k:
+        raise ValueError(
+            f"{op}: `b` must have K = a.shape[1] = {k} rows, got shape {tuple(b.shape)}"
+        )
+    _check_tensor(op, "a_scale", a_scale, FLOAT_DTYPES, 1, f"(M,) = ({m},)")
+    _check_tensor(op, "b_scale", b_scale, FLOAT_DTYPES, 1, f"(N,) = ({n},)")
+    for name, t, length in (("a_scale", a_scale, m), ("b_scale", b_scale, n)):
+        if t.shape[0] != length:
+            raise ValueError(f"{op}: `{name}` must have shape ({length},), got {tuple(t.shape)}")
+    tensors = {"b": b, "a_scale": a_scale, "b_scale": b_scale}
+    if bias is not None:
+        _check_tensor(op, "bias", bias, FLOAT_DTYPES, 1, f"(N,) = ({n},)")
+        if bias.shape[0] != n:
+            raise ValueError(f"{op}: `bias` must have shape ({n},), got {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    if out is not None:
+        _check_tensor(op, "out", out, FLOAT_DTYPES, 2, f"(M, N) = ({m}, {n})")
+        if out.shape != (m, n):
+            raise ValueError(f"{op}: `out` must have shape ({m}, {n}), got {tuple(out.shape)}")
+        tensors["out"] = out
+    for name, t in tensors.items():
+        _check_device(op, name, t, a)
+
+
+# --- launchers -----------------------------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizer's implementation (CPU and CUDA kernels of the op)."""
+    check_quantize_input(x)
+    if not x.is_cuda and not CPU_RUNS_TRITON:
+        return quantize_int8_perrow_reference(x)
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)  # (M, K)
+    scale = torch.empty((m,), dtype=x.dtype, device=x.device)  # (M,)
+    if m == 0:
+        return q, scale
+    if k == 0:
+        return q, scale.zero_()
+    config = tuning.quantize_config(m, k)
+    with _on(x.device):
+        quantize_int8_perrow_kernel[(triton.cdiv(m, config.block_m),)](
+            x,
+            q,
+            scale,
+            m,
+            k,
+            x.stride(0),
+            x.stride(1),
+            q.stride(0),
+            BLOCK_M=config.block_m,
+            BLOCK_K=config.block_k,
+            ONE_PASS=config.one_pass,
+            USE_LIBDEVICE=x.is_cuda,
+            num_warps=config.num_warps,
+        )
+    return q, scale
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 for the interpreter's CPU)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    if TensorDescriptor is None:
+        return False
+    if device.type != "cuda":
+        return CPU_RUNS_TRITON  # the interpreter emulates the copy engine
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _aligned(t: torch.Tensor, row_stride: int) -> bool:
+    # The copy engine needs 16-byte aligned base addresses and row strides.
+    return t.data_ptr() % 16 == 0 and (row_stride * t.element_size()) % 16 == 0
+
+
+def tma_applies(config: tuning.MatmulConfig, a, b, out) -> bool:
+    """Whether ``config`` can run on these operands: TMA configs need Hopper (or the
+    interpreter), row-major ``a`` and column-major ``b`` with 16-byte aligned rows (K a
+    multiple of 16), an int32-exact K, and for ``tma_store`` a row-major, aligned ``out``."""
+    if not config.tma:
+        return True
+    k = a.shape[1]
+    usable = (
+        _has_tma(a.device)
+        and 0 < k <= MAX_K_PER_SPLIT
+        and a.stride(1) == 1
+        and b.stride(0) == 1
+        and _aligned(a, a.stride(0))
+        and _aligned(b, b.stride(1))
+    )
+    if config.tma_store:
+        usable = usable and out.stride(1) == 1 and _aligned(out, out.stride(0))
+    return usable
+
+
+def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(splits, K per split) for a K of ``k``: each split a multiple of ``block_k`` long and at
+    most ``MAX_K_PER_SPLIT``, so a long K gets more splits than the config asks for."""
+    per_split = triton.cdiv(triton.cdiv(max(k, 1), split_k), block_k) * block_k
+    per_split = min(per_split, max(block_k, MAX_K_PER_SPLIT // block_k * block_k))
+    return triton.cdiv(max(k, 1), per_split), per_split
+
+
+def _launch_tma(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) -> None:
+    (m, k), n = a.shape, b.shape[1]
+    a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
+    b_desc = TensorDescriptor.from_tensor(b.t(), [config.block_n, config.block_k])  # (N, K)
+    c_desc = a_desc  # never read without TMA_STORE
+    if config.tma_store:
+        c_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2])
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    programs = min(tiles, sm_count(a.device))
+    perrow_w8a8_matmul_tma_kernel[(programs,)](
+        a_desc,
+        b_desc,
+        c_desc,
+        out,
+        a_scale,
+        b_scale,
+        bias if bias is not None else b_scale,
+        m,
+        n,
+        k,
+        programs,
+        out.stride(0),
+        out.stride(1),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        HAS_BIAS=bias is not None,
+        TMA_STORE=config.tma_store,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=False,
+    )
+
+
+def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) -> None:
+    """Run the GEMM with one configuration into ``out`` (M, N); inputs already checked, and
+    ``tma_applies(config, a, b, out)``."""
+    if config.tma:
+        _launch_tma(config, a, a_scale, b, b_scale, bias, out)
+        return
+    (m, k), n = a.shape, b.shape[1]
+    splits, per_split = split_plan(k, config.block_k, config.split_k)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else b_scale  # never read
+    if splits == 1:
+        target, strides = out, (0, out.stride(0), out.stride(1))
+    else:
+        target = torch.empty((splits, m, n), dtype=torch.int32, device=a.device)
+        strides = (m * n, n, 1)
+    perrow_w8a8_matmul_kernel[(tiles, splits)](
+        a,
+        b,
+        target,
+        a_scale,
+        b_scale,
+        bias_arg,
+        m,
+        n,
+        k,
+        per_split,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        *strides,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        GROUP_M=config.group_m,
+        PARTIALS=splits > 1,
+        EVEN_K=k % config.block_k == 0,
+        HAS_BIAS=has_bias,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        enable_fp_fusion=False,  # keep `* a_scale * b_scale + bias` as eager rounds it
+    )
+    if splits > 1:
+        block_m, block_n = 32, 128
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        splitk_epilogue_kernel[grid](
+            target,
+            out,
+            a_scale,
+            b_scale,
+            bias_arg,
+            m,
+            n,
+            splits,
+            m * n,
+            out.stride(0),
+            out.stride(1),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            HAS_BIAS=has_bias,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
+
+
+def _on(device: torch.device):
+    """Make ``device`` current for the launch, when it is not already (entering
+    ``torch.cuda.device`` costs microseconds on every call)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return nullcontext()
+
+
+def _matmul_into(a, a_scale, b, b_scale, bias, out) -> None:
+    (m, k), n = a.shape, b.shape[1]
+    if m == 0 or n == 0:
+        return
+    if not a.is_cuda and not CPU_RUNS_TRITON:
+        out.copy_(matmul_int8_reference(a, a_scale, b, b_scale, bias, out.dtype))
+        return
+    a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    # Everything the choice of configuration depends on: M's bucket, N, K, the layouts, the
+    # dtypes and which operands the copy engine can address.
+    key = (
+        tuning.m_bucket(m),
+        n,
+        k,
+        a.stride(),
+        b.stride(),
+        out.stride(),
+        out.dtype,
+        a_scale.dtype,
+        b_scale.dtype,
+        None if bias is None else bias.dtype,
+        a.device,
+        a.data_ptr() % 16 == 0,
+        b.data_ptr() % 16 == 0,
+        out.data_ptr() % 16 == 0,
+    )
+    with _on(a.device):
+        config = tuning.tuned(
+            key,
+            lambda: [c for c in tuning.matmul_candidates(m, n, k) if tma_applies(c, a, b, out)],
+            lambda c: launch_matmul(c, a, a_scale, b, b_scale, bias, out),
+            a.is_cuda,
+        )
+        launch_matmul(config, a, a_scale, b, b_scale, bias, out)
+
+
+def matmul(a, a_scale, b, b_scale, bias=None) -> torch.Tensor:
+    """The GEMM's implementation (CPU and CUDA kernels of ``int8_matmul``)."""
+    check_matmul_inputs(a, a_scale, b, b_scale, bias)
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=a_scale.dtype, device=a.device)
+    _matmul_into(a, a_scale, b, b_scale, bias, out)
+    return out
+
+
+def matmul_out(a, a_scale, b, b_scale, bias, out) -> None:
+    """The implementation of ``int8_matmul_out``."""
+    check_matmul_inputs(a, a_scale, b, b_scale, bias, out)
+    _matmul_into(a, a_scale, b, b_scale, bias, out)
+
+
+# --- registration --------------------------------------------------------------------------------
+
+
+@torch.library.register_fake(f"{NAMESPACE}::int8_quantize_perrow", lib=_lib)
+def _quantize_fake(x):
+    check_quantize_input(x)
+    q = x.new_empty(x.shape, dtype=torch.int8)
+    return q, x.new_empty(x.shape[:1])
+
+
+@torch.library.register_fake(f"{NAMESPACE}::int8_matmul", lib=_lib)
+def _matmul_fake(a, a_scale, b, b_scale, bias=None):
+    check_matmul_inputs(a, a_scale, b, b_scale, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=a_scale.dtype)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::int8_matmul_out", lib=_lib)
+def _matmul_out_fake(a, a_scale, b, b_scale, bias, out):
+    check_matmul_inputs(a, a_scale, b, b_scale, bias, out)
+
+
+def inference_only_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"{what} is inference-only: llmsys.kernels_int8 has no backward. Run it under "
+        "torch.no_grad() or torch.inference_mode(), or pass detached tensors."
+    )
+
+
+def _autograd_kernel(op_name: str, raises: bool):
+    """The Autograd-key kernel: raise if gradients are wanted (``raises``), else run below
+    autograd, which leaves the outputs not requiring grad."""
+    op = getattr(torch.ops.llmsys, op_name).default
+
+    def kernel(*args):
+        if (
+            raises
+            and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
+        ):
+            raise inference_only_error(f"torch.ops.llmsys.{op_name}")
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return kernel
+
+
+for _device in ("CPU", "CUDA"):
+    _lib.impl("int8_quantize_perrow", quantize, _device)
+    _lib.impl("int8_matmul", matmul, _device)
+    _lib.impl("int8_matmul_out", matmul_out, _device)
+_lib.impl("int8_quantize_perrow", _autograd_kernel("int8_quantize_perrow", False), "Autograd")
+_lib.impl("int8_matmul", _autograd_kernel("int8_matmul", True), "Autograd")
+_lib.impl("int8_matmul_out", _autograd_kernel("int8_matmul_out", True), "Autograd")

@@ -1,0 +1,94 @@
+"""The executable spec: per-row INT8 quantization and the W8A8 GEMM in eager PyTorch.
+
+Tests and benchmarks compare against these functions; on CPU without ``TRITON_INTERPRET=1`` the
+public functions run them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = 127  # symmetric: q in [-127, 127], so -q never overflows and the grid is centred on 0
+
+
+def quantize_int8_perrow_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row INT8 quantization.
+
+    ``scale = max|row| / 127`` is computed in float32 and rounded to ``x.dtype``; ``q`` divides by
+    that stored scale (so ``q * scale`` is what a consumer reconstructs), rounds half to even and
+    clamps to [-127, 127]. A row whose scale is 0 (all zeros, or a float16 scale that underflows)
+    gives zeros, never NaN.
+
+    Args:
+        x: (M, K) float16, bfloat16 or float32.
+
+    Returns:
+        ``q`` (M, K) int8, contiguous, and ``scale`` (M,) in ``x.dtype``.
+    """
+    x32 = x.float()  # (M, K)
+    # (M,); an empty row has no maximum: call it 0
+    amax = x32.abs().amax(dim=1) if x.shape[1] else x32.new_zeros(x.shape[0])
+    # Divide by a tensor: eager CUDA turns `tensor / python_scalar` into a multiply by the
+    # reciprocal, which can land one float32 ulp away from the IEEE quotient.
+    scale = (amax / torch.full_like(amax, QMAX)).to(x.dtype)  # (M,)
+    s32 = scale.float()[:, None]  # (M, 1)
+    nonzero = s32 > 0
+    q = (x32 / torch.where(nonzero, s32, 1.0)).clamp(-QMAX, QMAX).round()  # (M, K)
+    q = torch.where(nonzero, q, 0.0)
+    return q.to(torch.int8).contiguous(), scale
+
+
+def quantize_int8_reference(
+    weight: torch.Tensor, axis: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-column (``axis=0``) or per-row (``axis=1``) quantization of a 2-D weight.
+
+    Args:
+        weight: (K, N) float16, bfloat16 or float32.
+        axis: 0 reduces over K (one scale per column, ``scale`` (N,), ``q`` column-major with
+            ``q.stride() == (1, K)``); 1 or -1 reduces over N (one scale per row, ``q`` row-major).
+    """
+    if axis in (0, -2):
+        q, scale = quantize_int8_perrow_reference(weight.t())  # q (N, K) row-major
+        return q.t(), scale  # (K, N) column-major
+    return quantize_int8_perrow_reference(weight)
+
+
+def matmul_int8_reference(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``(a @ b) * a_scale[:, None] * b_scale[None, :] (+ bias)``, rounded once to the output dtype.
+
+    The integer product is exact (float64 holds every sum of int8 products below 2**53), is then
+    rounded to float32, scaled in float32 in this order, and cast last: the kernel's epilogue.
+
+    Args:
+        a: (M, K) int8.
+        a_scale: (M,) float16, bfloat16 or float32.
+        b: (K, N) int8, any strides.
+        b_scale: (N,) float16, bfloat16 or float32.
+        bias: optional (N,) float16, bfloat16 or float32, added in float32 after the scales.
+        out_dtype: the output dtype; default ``a_scale.dtype``.
+
+    Returns:
+        (M, N) in ``out_dtype``.
+    """
+    acc = (a.double() @ b.double()).float()  # (M, N) exact integers, then one rounding
+    out = acc * a_scale.float()[:, None] * b_scale.float()[None, :]  # (M, N)
+    if bias is not None:
+        out = out + bias.float()[None, :]
+    return out.to(out_dtype or a_scale.dtype)
+
+
+def matmul_quantize_int8_reference(
+    fpa: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+) -> torch.Tensor:
+    """Quantize the rows of ``fpa`` (..., K), then :func:`matmul_int8_reference`: (..., N)."""
+    q, scale = quantize_int8_perrow_reference(fpa.reshape(-1, fpa.shape[-1]))  # (M, K), (M,)
+    out = matmul_int8_reference(q, scale, b, b_scale)  # (M, N)
+    return out.reshape(*fpa.shape[:-1], b.shape[1])
