@@ -1,0 +1,167 @@
+"""The public, differentiable permute and unpermute."""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .ops import _int
+
+
+def _plain_eager(t: torch.Tensor) -> bool:
+    """A plain tensor, outside torch.compile and any dispatch mode: calling the implementation
+    directly is then the same as calling the op, minus a trip through the dispatcher."""
+    return (
+        not torch.compiler.is_compiling()
+        and type(t) is torch.Tensor
+        and not torch._C._len_torch_dispatch_stack()
+    )
+
+
+class _PermuteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, top_experts, tokens_per_expert, num_experts, align, out_rows):
+        out, padded, row_index = torch.ops.llmsys.moe_permute.default(
+            x, top_experts, tokens_per_expert, num_experts, align, out_rows
+        )
+        ctx.save_for_backward(row_index)
+        ctx.mark_non_differentiable(padded, row_index)
+        return out, padded, row_index
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_padded, _grad_row_index):
+        # Each token was copied to its topk rows: its gradient is the sum of theirs.
+        (row_index,) = ctx.saved_tensors
+        grad_x = torch.ops.llmsys.moe_unpermute.default(grad_out, row_index, None)
+        return grad_x, None, None, None, None, None
+
+
+class _UnpermuteFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, row_index, routing_weights):
+        ctx.save_for_backward(expert_out, row_index, routing_weights)
+        return torch.ops.llmsys.moe_unpermute.default(expert_out, row_index, routing_weights)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        expert_out, row_index, routing_weights = ctx.saved_tensors
+        weights_grad = ctx.needs_input_grad[2]
+        grad_src, grad_weights = torch.ops.llmsys.moe_unpermute_backward.default(
+            grad_y, expert_out, row_index, routing_weights, weights_grad
+        )
+        return grad_src, None, grad_weights if weights_grad else None
+
+
+def padded_moe_permute(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    topk: int,
+    num_experts: int,
+    *,
+    align: int = 128,
+    out_rows: int | None = None,
+    return_row_index: bool = False,
+):
+    """Group token rows by expert, each expert's group padded with zero rows to ``align`` rows.
+
+    Pair ``(t, k)`` (token ``t``'s ``k``-th choice) goes to expert ``top_experts[t, k]``. The
+    output holds the experts' groups in expert order; inside a group, tokens in ascending order (a
+    token that chose an expert twice appears twice, in k order); every group starts at a multiple
+    of ``align``; padding rows are zeros::
+
+        experts 0..3, align 4, tokens_per_expert [1, 0, 6, 2]:
+        row  0 1 2 3 | 4 5 6 7 8 9 10 11 | 12 13 14 15
+             a 0 0 0 | b c d e f g  0  0 | h  i  0  0      (expert 1: no rows at all)
+
+    Args:
+        x: (num_tokens, hidden) float16, bfloat16, float32 or float64 token rows.
+        top_experts: (num_tokens, topk) integer expert ids in [0, num_experts).
+        tokens_per_expert: (num_experts,) integer: how many pairs chose each expert (the
+            histogram of ``top_experts``).
+        topk: experts per token, at most ``num_experts``; equals ``top_experts.shape[1]``.
+        num_experts: number of experts, at least 1.
+        align: every group starts at a multiple of this (any int >= 1; 128 suits FP8 grouped
+            GEMMs that read groups with the TMA). Default 128.
+        out_rows: None (default): the output has exactly ``padded_tokens_per_expert.sum()``
+            rows, which costs one host sync. An int: the output has ``out_rows`` rows, rows past
+            the groups are zeros, and nothing waits on the host, so the call can be captured in
+            a CUDA graph; ``num_tokens * topk + num_experts * (align - 1)`` always suffices.
+        return_row_index: also return ``row_index``.
+
+    Returns:
+        ``(padded_tokens, padded_tokens_per_expert)``, plus ``row_index`` if asked:
+        ``padded_tokens`` (rows, hidden) in ``x``'s dtype; ``padded_tokens_per_expert``
+        (num_experts,) in ``tokens_per_expert``'s dtype, ``ceil(count / align) * align``;
+        ``row_index`` (num_tokens, topk) int32, the output row of every pair, which
+        :func:`moe_unpermute` takes. Differentiable in ``x``: the gradient of a token is the sum
+        of its rows' gradients.
+
+    Raises:
+        TypeError: a non-tensor, a non-floating ``x``, non-integer ids or counts, a non-int
+            ``topk``, ``num_experts``, ``align`` or ``out_rows``.
+        ValueError: wrong shapes, ``topk`` larger than ``num_experts``, mismatched devices,
+            ``out_rows`` smaller than ``num_tokens * topk``; and with ``out_rows=None`` also
+            expert ids outside [0, num_experts) and ``tokens_per_expert`` different from the
+            histogram of ``top_experts`` (the routing kernels compute both for free and the
+            one sync reads them back).
+
+    With ``out_rows`` given, nothing data-dependent is checked (that would need a sync); the
+    result stays memory-safe: pairs with bad ids, pairs beyond their expert's count and pairs
+    whose row would be ``out_rows`` or more are dropped (``row_index`` -1, no row written), and
+    every row that no pair fills is zero. Counts larger than the histogram leave zero rows.
+    """
+    args = (x, top_experts, tokens_per_expert, num_experts, align, out_rows)
+    ops.check_permute_inputs(*args)
+    op = "padded_moe_permute"
+    _int(op, "topk", topk, 1)
+    if top_experts.shape[1] != topk:
+        raise ValueError(
+            f"{op}: `top_experts` must have topk={topk} columns, got shape "
+            f"{tuple(top_experts.shape)}"
+        )
+    if topk > num_experts:
+        raise ValueError(f"{op}: `topk` must be at most num_experts={num_experts}, got {topk}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        out, padded, row_index = _PermuteFunction.apply(*args)
+    elif _plain_eager(x):
+        out, padded, row_index = ops.permute(*args)  # checked above: skip the dispatcher
+    else:
+        out, padded, row_index = torch.ops.llmsys.moe_permute.default(*args)
+    return (out, padded, row_index) if return_row_index else (out, padded)
+
+
+def moe_unpermute(
+    expert_out: torch.Tensor,
+    row_index: torch.Tensor,
+    routing_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Combine each token's expert outputs: ``y[t] = sum_k w[t, k] * expert_out[row_index[t, k]]``.
+
+    Args:
+        expert_out: (rows, hidden) float16, bfloat16, float32 or float64, e.g. the experts'
+            outputs over :func:`padded_moe_permute`'s rows. Padding rows are never read.
+        row_index: (num_tokens, topk) integer, as :func:`padded_moe_permute` returns it. A row
+            of -1 marks a dropped pair, which contributes nothing; rows outside [0, rows) are
+            treated the same way (not checked: that would need a host sync). The rows of
+            different pairs must differ, as the permute's do, or their gradients race.
+        routing_weights: optional (num_tokens, topk) floating weights, default all ones.
+
+    Returns:
+        (num_tokens, hidden) in ``expert_out``'s dtype, summed in float32 (float64 for float64
+        inputs) and rounded once. Differentiable in ``expert_out`` (its padding rows get zero
+        gradient) and ``routing_weights``. No host sync; CUDA-graph safe.
+
+    Raises:
+        TypeError: non-tensors, non-floating ``expert_out`` or weights, non-integer rows.
+        ValueError: wrong shapes or mismatched devices.
+    """
+    ops.check_unpermute_inputs(expert_out, row_index, routing_weights)
+    needs_grad = expert_out.requires_grad
+    if routing_weights is not None:
+        needs_grad = needs_grad or routing_weights.requires_grad
+    if torch.is_grad_enabled() and needs_grad:
+        return _UnpermuteFunction.apply(expert_out, row_index, routing_weights)
+    if _plain_eager(expert_out):
+        return ops.unpermute(expert_out, row_index, routing_weights)
+    return torch.ops.llmsys.moe_unpermute.default(expert_out, row_index, routing_weights)

@@ -1,0 +1,469 @@
+"""Input checks, launch configurations, launchers and the ``torch.ops.llmsys.moe_*`` ops.
+
+The ops are registered with a lean ``torch.library.Library`` (define + CPU/CUDA impl + fake);
+autograd lives in ``functional.py``. ``moe_permute`` with ``out_rows=None`` needs one host sync
+(the output's row count is data); that sync also brings back the validity of the routing, which
+the kernels compute for free. With ``out_rows`` nothing waits on the host and nothing
+data-dependent is checked (see ``padded_moe_permute``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton.language as tl
+
+from .kernels import (
+    moe_count_kernel,
+    moe_layout_kernel,
+    moe_mark_rows_kernel,
+    moe_permute_kernel,
+    moe_route_one_block_kernel,
+    moe_unpermute_bwd_kernel,
+    moe_unpermute_kernel,
+)
+from .launch import launch
+from .reference import moe_unpermute_reference, padded_moe_permute_reference
+
+NAMESPACE = "llmsys"
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+MAX_ROWS = 2**31 - 1  # row_index is int32
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_lib.define(
+    "moe_permute(Tensor x, Tensor top_experts, Tensor tokens_per_expert, int num_experts, "
+    "int align=128, SymInt? out_rows=None) -> (Tensor, Tensor, Tensor)"
+)
+_lib.define("moe_unpermute(Tensor expert_out, Tensor row_index, Tensor? routing_weights) -> Tensor")
+_lib.define(
+    "moe_unpermute_backward(Tensor grad_y, Tensor expert_out, Tensor row_index, "
+    "Tensor? routing_weights, bool weights_grad) -> (Tensor, Tensor)"
+)
+
+# Under TRITON_INTERPRET=1 `triton.jit` returns an interpreter object that runs on CPU tensors.
+CPU_RUNS_TRITON = type(moe_permute_kernel).__name__ == "InterpretedFunction"
+
+
+# --- checks --------------------------------------------------------------------------------------
+
+
+def _tensor(op: str, name: str, t, dtypes: tuple, kind: str, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: `{name}` must have {kind} dtype, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{op}: `{name}` must have {dim} dimension(s), got shape {tuple(t.shape)}")
+
+
+def _int(op: str, name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: `{name}` must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{op}: `{name}` must be at least {minimum}, got {value}")
+
+
+def _same_device(op: str, first: tuple[str, torch.Tensor], *others) -> None:
+    for name, t in others:
+        if t is not None and t.device != first[1].device:
+            raise ValueError(
+                f"{op}: `{name}` must be on the device of `{first[0]}` ({first[1].device}), "
+                f"got {t.device}"
+            )
+
+
+def check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, out_rows) -> None:
+    """Everything about the permute's arguments that the host knows without a sync."""
+    op = "padded_moe_permute"
+    _tensor(op, "x", x, FLOAT_DTYPES, "a floating", 2)
+    _tensor(op, "top_experts", top_experts, INT_DTYPES, "an integer", 2)
+    _int(op, "num_experts", num_experts, 1)
+    _tensor(op, "tokens_per_expert", tokens_per_expert, INT_DTYPES, "an integer", 1)
+    _int(op, "align", align, 1)
+    num_tokens, topk = top_experts.shape
+    if num_tokens != x.shape[0]:
+        raise ValueError(
+            f"{op}: `top_experts` must have one row per token of `x` ({x.shape[0]}), "
+            f"got shape {tuple(top_experts.shape)}"
+        )
+    if tokens_per_expert.shape[0] != num_experts:
+        raise ValueError(
+            f"{op}: `tokens_per_expert` must have num_experts={num_experts} entries, "
+            f"got shape {tuple(tokens_per_expert.shape)}"
+        )
+    _same_device(
+        op, ("x", x), ("top_experts", top_experts), ("tokens_per_expert", tokens_per_expert)
+    )
+    n_pairs = num_tokens * topk
+    if out_rows is not None:
+        _int(op, "out_rows", out_rows, 0)
+        if out_rows < n_pairs:
+            raise ValueError(
+                f"{op}: `out_rows` must be at least num_tokens * topk = {n_pairs} (every pair "
+                f"needs a row; the safe bound is num_tokens * topk + num_experts * (align - 1) "
+                f"= {n_pairs + num_experts * (align - 1)}), got {out_rows}"
+            )
+        if out_rows > MAX_ROWS:
+            raise ValueError(f"{op}: `out_rows` must fit int32 row indices, got {out_rows}")
+    if n_pairs > MAX_ROWS:
+        raise ValueError(f"{op}: num_tokens * topk must fit int32, got {n_pairs}")
+
+
+def check_routing_values(top_experts, tokens_per_expert, num_experts) -> None:
+    """The data checks: ids in range, counts equal to the ids' histogram (one host sync)."""
+    op = "padded_moe_permute"
+    flat = top_experts.reshape(-1).long()
+    bad = ((flat < 0) | (flat >= num_experts)).nonzero()
+    if bad.numel():
+        pair = int(bad[0, 0])
+        topk = top_experts.shape[1]
+        raise ValueError(
+            f"{op}: `top_experts` must hold expert ids in [0, num_experts={num_experts}), got "
+            f"{int(flat[pair])} at token {pair // topk}, k {pair % topk}"
+        )
+    actual = torch.bincount(flat, minlength=num_experts)
+    wrong = (actual != tokens_per_expert.long()).nonzero()
+    if wrong.numel():
+        e = int(wrong[0, 0])
+        raise ValueError(
+            f"{op}: `tokens_per_expert` must count the (token, k) pairs of each expert in "
+            f"`top_experts`: tokens_per_expert[{e}] is {int(tokens_per_expert[e])}, but "
+            f"{int(actual[e])} pairs chose expert {e}"
+        )
+
+
+def check_unpermute_inputs(expert_out, row_index, routing_weights) -> None:
+    op = "moe_unpermute"
+    _tensor(op, "expert_out", expert_out, FLOAT_DTYPES, "a floating", 2)
+    _tensor(op, "row_index", row_index, INT_DTYPES, "an integer", 2)
+    if routing_weights is not None:
+        _tensor(op, "routing_weights", routing_weights, FLOAT_DTYPES, "a floating", 2)
+        if routing_weights.shape != row_index.shape:
+            raise ValueError(
+                f"{op}: `routing_weights` must have the shape of `row_index` "
+                f"({tuple(row_index.shape)}), got {tuple(routing_weights.shape)}"
+            )
+    _same_device(
+        op,
+        ("expert_out", expert_out),
+        ("row_index", row_index),
+        ("routing_weights", routing_weights),
+    )
+
+
+# --- launch configurations -----------------------------------------------------------------------
+
+
+def cdiv(a: int, b: int) -> int:
+    # Plain Python: triton.cdiv and triton.next_power_of_2 are jit-wrapped and cost microseconds
+    # per call on the host, which the small cases pay several times (benchmarks/NOTES.md).
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteConfig:
+    """How the routing passes split the pairs: ``n_blocks == 1`` is the one-program path."""
+
+    chunk: int  # pairs per one-hot tile
+    expert_tile: int  # experts per one-hot tile
+    pairs_per_block: int
+    n_blocks: int
+    layout_tile: int  # experts per program of moe_layout_kernel
+    num_warps: int = 4  # of moe_count_kernel
+
+
+# Measured on an H100 (benchmarks/NOTES.md): 512 blocks and 16 experts per layout program route
+# 16384 x top-8 of 256 experts in 51 us instead of 73 us (256 and 32), and tie elsewhere.
+ONE_BLOCK_MAX_STEPS = 4  # one program walks at most this many one-hot tiles
+TARGET_BLOCKS = 512  # programs of the count pass
+LAYOUT_TILE = 16  # experts per program of the layout pass
+COUNT_WARPS = 4
+
+
+@functools.lru_cache(maxsize=1024)
+def route_config(n_pairs: int, num_experts: int) -> RouteConfig:
+    expert_tile = min(next_pow2(num_experts), 256)
+    chunk = max(8192 // expert_tile, 16)  # (chunk, expert_tile) one-hot tiles of 8192 ints
+    chunk = min(chunk, max(next_pow2(n_pairs), 16))
+    steps = cdiv(n_pairs, chunk) * cdiv(num_experts, expert_tile)
+    if steps <= ONE_BLOCK_MAX_STEPS:
+        return RouteConfig(chunk, expert_tile, max(n_pairs, 1), 1, expert_tile)
+    per_block = chunk * cdiv(n_pairs, TARGET_BLOCKS * chunk)
+    layout_tile = min(expert_tile, LAYOUT_TILE)
+    n_blocks = cdiv(n_pairs, per_block)
+    return RouteConfig(chunk, expert_tile, per_block, n_blocks, layout_tile, COUNT_WARPS)
+
+
+@functools.lru_cache(maxsize=1024)
+def copy_config(hidden: int, element_size: int) -> tuple[int, int]:
+    """(BLOCK_H, num_warps) of the row copies: a whole row of up to 16 KB per step.
+
+    Measured on an H100 (benchmarks/NOTES.md): from 2 KB to 16 KB per step the configurations
+    with 4 or 8 warps are within 3% of each other at hidden 4096 and 7168 in bfloat16 (16 warps
+    lose up to 10%); one step per row needs no loop.
+    """
+    block = min(next_pow2(max(hidden, 1)), 16384 // element_size)
+    num_warps = min(max(block * element_size // 2048, 4), 8)
+    return block, num_warps
+
+
+@functools.lru_cache(maxsize=1024)
+def zero_config(hidden: int, element_size: int) -> tuple[int, int]:
+    """(ZERO_ROWS, ZERO_H): rows per zeroing program and columns per store (32 x 512: NOTES.md)."""
+    return 32, min(next_pow2(max(hidden, 1)), 512)
+
+
+def _compute_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+# --- moe_permute ---------------------------------------------------------------------------------
+
+
+def _route(top_experts, tokens_per_expert, num_experts, align, padded, cfg: RouteConfig):
+    """Launch the routing passes; returns (row_index, base, rank, start, limit, status) views.
+
+    One int32 allocation holds them all (each torch.empty costs microseconds of host time);
+    row_index comes first, so the returned row_index is a contiguous tensor at offset 0.
+    """
+    n_pairs = top_experts.numel()
+    sizes = [n_pairs, cfg.n_blocks * (num_experts + 1), n_pairs, num_experts + 1, num_experts]
+    tile = cfg.expert_tile if cfg.n_blocks == 1 else cfg.layout_tile
+    sizes.append(2 + cdiv(num_experts, tile))  # total, bad ids, mismatches per expert tile
+    work = torch.empty(sum(sizes), dtype=torch.int32, device=top_experts.device)
+    row_index, base, rank, start, limit, status = work.split_with_sizes(sizes)
+    experts = top_experts.reshape(-1)
+    if cfg.n_blocks == 1:
+        launch(
+            moe_route_one_block_kernel,
+            1,
+            (experts, tokens_per_expert, rank, base, padded, start, limit, status,
+             n_pairs, num_experts, align),
+            {"ET": cfg.expert_tile, "CHUNK": cfg.chunk},
+        )  # fmt: skip
+    else:
+        launch(
+            moe_count_kernel,
+            cfg.n_blocks,
+            (experts, rank, base, n_pairs, num_experts, cfg.pairs_per_block),
+            {"ET": cfg.expert_tile, "CHUNK": cfg.chunk},
+            num_warps=cfg.num_warps,
+        )
+        launch(
+            moe_layout_kernel,
+            cdiv(num_experts, cfg.layout_tile),
+            (base, tokens_per_expert, padded, start, limit, status,
+             cfg.n_blocks, n_pairs, num_experts, align),
+            {"ET": cfg.layout_tile, "BLOCKS": max(8192 // cfg.layout_tile, 1)},
+        )  # fmt: skip
+    return (
+        row_index.view(top_experts.shape[0], top_experts.shape[1]),
+        base,
+        rank,
+        start,
+        limit,
+        status,
+    )
+
+
+def permute(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=None):
+    """The permute without the argument checks (``check_permute_inputs`` ran already)."""
+    if not x.is_cuda and not CPU_RUNS_TRITON:
+        check_routing_values(top_experts, tokens_per_expert, num_experts)
+        topk = top_experts.shape[1]
+        return padded_moe_permute_reference(
+            x, top_experts, tokens_per_expert, topk, num_experts,
+            align=align, out_rows=out_rows, return_row_index=True,
+        )  # fmt: skip
+    num_tokens, hidden = x.shape
+    topk = top_experts.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()  # rows may be strided; elements inside a row must not be
+    top_experts = top_experts.contiguous()
+    tokens_per_expert = tokens_per_expert.contiguous()
+    cfg = route_config(num_tokens * topk, num_experts)
+    padded = torch.empty_like(tokens_per_expert)
+    row_index, base, rank, start, limit, status = _route(
+        top_experts, tokens_per_expert, num_experts, align, padded, cfg
+    )
+    block_h, num_warps = copy_config(hidden, x.element_size())
+    zero_rows, zero_h = zero_config(hidden, x.element_size())
+    if out_rows is None:
+        # The one host sync. A pageable .tolist() measured 11 us of host time per call on the
+        # H100 host, a pinned non-blocking copy plus a stream sync 16 us (NOTES.md).
+        total, n_invalid, *mismatches = status.tolist()
+        if n_invalid or any(mismatches):
+            check_routing_values(top_experts, tokens_per_expert, num_experts)
+        out_rows = total
+    out = torch.empty((out_rows, hidden), dtype=x.dtype, device=x.device)
+    launch(
+        moe_permute_kernel,
+        num_tokens + cdiv(out_rows, zero_rows),
+        (x, top_experts, rank, base, start, limit, out, row_index,
+         num_tokens, hidden, num_experts, out_rows, cfg.pairs_per_block,
+         x.stride(0), out.stride(0)),
+        {
+            "TOPK": topk,
+            "BLOCK_H": block_h,
+            "ZERO_ROWS": zero_rows,
+            "ZERO_H": zero_h,
+            "SEARCH_STEPS": num_experts.bit_length(),
+        },
+        num_warps=num_warps,
+    )  # fmt: skip
+    return out, padded, row_index
+
+
+def _moe_permute(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=None):
+    check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, out_rows)
+    return permute(x, top_experts, tokens_per_expert, num_experts, align, out_rows)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::moe_permute", lib=_lib)
+def _moe_permute_fake(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=None):
+    check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, out_rows)
+    if out_rows is None:
+        out_rows = torch.library.get_ctx().new_dynamic_size()
+    out = x.new_empty((out_rows, x.shape[1]))
+    row_index = x.new_empty(top_experts.shape, dtype=torch.int32)
+    return out, torch.empty_like(tokens_per_expert), row_index
+
+
+# --- moe_unpermute -------------------------------------------------------------------------------
+
+
+def unpermute(expert_out, row_index, routing_weights=None):
+    """The unpermute without the argument checks (``check_unpermute_inputs`` ran already)."""
+    if not expert_out.is_cuda and not CPU_RUNS_TRITON:
+        return moe_unpermute_reference(expert_out, row_index, routing_weights)
+    num_tokens, topk = row_index.shape
+    src_rows, hidden = expert_out.shape
+    if expert_out.stride(1) != 1:
+        expert_out = expert_out.contiguous()
+    out = torch.empty((num_tokens, hidden), dtype=expert_out.dtype, device=expert_out.device)
+    if hidden == 0:
+        return out
+    has_weights = routing_weights is not None
+    weights = routing_weights.contiguous() if has_weights else row_index
+    block_h, num_warps = copy_config(hidden, expert_out.element_size())
+    launch(
+        moe_unpermute_kernel,
+        num_tokens,
+        (
+            expert_out,
+            row_index.contiguous(),
+            weights,
+            out,
+            src_rows,
+            hidden,
+            expert_out.stride(0),
+            out.stride(0),
+        ),
+        {
+            "TOPK": topk,
+            "HAS_WEIGHTS": has_weights,
+            "COMPUTE_DTYPE": _compute_dtype(expert_out.dtype),
+            "BLOCK_H": block_h,
+        },
+        num_warps=num_warps,
+    )
+    return out
+
+
+def _moe_unpermute(expert_out, row_index, routing_weights=None):
+    check_unpermute_inputs(expert_out, row_index, routing_weights)
+    return unpermute(expert_out, row_index, routing_weights)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::moe_unpermute", lib=_lib)
+def _moe_unpermute_fake(expert_out, row_index, routing_weights=None):
+    check_unpermute_inputs(expert_out, row_index, routing_weights)
+    return expert_out.new_empty((row_index.shape[0], expert_out.shape[1]))
+
+
+def _moe_unpermute_backward(grad_y, expert_out, row_index, routing_weights, weights_grad):
+    """(grad of expert_out, grad of routing_weights or an empty tensor)."""
+    if not expert_out.is_cuda and not CPU_RUNS_TRITON:
+        with torch.enable_grad():
+            src = expert_out.detach().requires_grad_()
+            weights = routing_weights
+            if weights_grad:
+                weights = routing_weights.detach().requires_grad_()
+            y = moe_unpermute_reference(src, row_index, weights)
+            leaves = (src, weights) if weights_grad else (src,)
+            grads = torch.autograd.grad(y, leaves, grad_y)
+        return grads[0], grads[1] if weights_grad else grad_y.new_empty(0)
+    num_tokens, topk = row_index.shape
+    src_rows, hidden = expert_out.shape
+    device = expert_out.device
+    grad_y = grad_y if grad_y.stride(-1) == 1 else grad_y.contiguous()
+    expert_out = expert_out if expert_out.stride(-1) == 1 else expert_out.contiguous()
+    row_index = row_index.contiguous()
+    has_weights = routing_weights is not None
+    weights = routing_weights.contiguous() if has_weights else row_index
+    grad_src = torch.empty((src_rows, hidden), dtype=expert_out.dtype, device=device)
+    if weights_grad:
+        grad_weights = torch.empty((num_tokens, topk), dtype=routing_weights.dtype, device=device)
+    else:
+        grad_weights = grad_y.new_empty(0)
+    used = torch.zeros(src_rows, dtype=torch.int8, device=device)
+    launch(
+        moe_mark_rows_kernel,
+        cdiv(row_index.numel(), 1024),
+        (row_index, used, row_index.numel(), src_rows),
+        {"BLOCK": 1024},
+    )
+    block_h, num_warps = copy_config(hidden, expert_out.element_size())
+    zero_rows, zero_h = zero_config(hidden, expert_out.element_size())
+    launch(
+        moe_unpermute_bwd_kernel,
+        num_tokens + cdiv(src_rows, zero_rows),
+        (
+            grad_y,
+            expert_out,
+            row_index,
+            weights,
+            used,
+            grad_src,
+            grad_weights,
+            num_tokens,
+            src_rows,
+            hidden,
+            grad_y.stride(0),
+            expert_out.stride(0),
+            grad_src.stride(0),
+        ),
+        {
+            "TOPK": topk,
+            "TOPK_P2": next_pow2(topk),
+            "HAS_WEIGHTS": has_weights,
+            "WEIGHTS_GRAD": weights_grad,
+            "COMPUTE_DTYPE": _compute_dtype(expert_out.dtype),
+            "BLOCK_H": block_h,
+            "ZERO_ROWS": zero_rows,
+            "ZERO_H": zero_h,
+        },
+        num_warps=num_warps,
+    )
+    return grad_src, grad_weights
+
+
+@torch.library.register_fake(f"{NAMESPACE}::moe_unpermute_backward", lib=_lib)
+def _moe_unpermute_backward_fake(grad_y, expert_out, row_index, routing_weights, weights_grad):
+    grad_src = torch.empty_like(expert_out, memory_format=torch.contiguous_format)
+    if weights_grad:
+        return grad_src, torch.empty_like(routing_weights, memory_format=torch.contiguous_format)
+    return grad_src, grad_y.new_empty(0)
+
+
+for _device in ("CPU", "CUDA"):
+    _lib.impl("moe_permute", _moe_permute, _device)
+    _lib.impl("moe_unpermute", _moe_unpermute, _device)
+    _lib.impl("moe_unpermute_backward", _moe_unpermute_backward, _device)
