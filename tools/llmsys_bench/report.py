@@ -33,15 +33,15 @@ def load_sweep(package_path: Path):
 
 def markdown_table(rows: list[harness.Row]) -> str:
     lines = [
-        "| mode | dtype | case | provider | p50 | throughput | of roofline | vs baseline |",
-        "|---|---|---|---|---:|---:|---:|---:|",
+        "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline | vs baseline |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
         throughput = f"{r.throughput:.2f} {r.throughput_unit}" if r.throughput else ""
         fraction = f"{r.roofline_fraction:.0%}" if r.roofline_fraction else ""
         speedup = f"{r.speedup_vs_baseline:.2f}x" if r.speedup_vs_baseline else ""
         lines.append(
-            f"| {r.mode} | {r.dtype} | {r.x} | {r.provider} | {r.p50:.4g} {r.unit} | "
+            f"| {r.kernel} | {r.mode} | {r.dtype} | {r.x} | {r.provider} | {r.p50:.4g} {r.unit} | "
             f"{throughput} | {fraction} | {speedup} |"
         )
     return "\n".join(lines)

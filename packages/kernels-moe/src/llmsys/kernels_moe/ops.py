@@ -15,6 +15,8 @@ import functools
 import torch
 import triton.language as tl
 
+from llmsys.triton_launch import launch
+
 from .kernels import (
     moe_count_kernel,
     moe_layout_kernel,
@@ -24,7 +26,6 @@ from .kernels import (
     moe_unpermute_bwd_kernel,
     moe_unpermute_kernel,
 )
-from .launch import launch
 from .reference import moe_unpermute_reference, padded_moe_permute_reference
 
 NAMESPACE = "llmsys"

@@ -1,0 +1,79 @@
+"""llmsys.triton_launch.launch against the ordinary Triton launch."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from llmsys.triton_launch import launch, runs_under_interpreter
+from llmsys.triton_launch.launcher import _compiled, _key
+
+
+@triton.jit
+def scale_add(x_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * alpha + 1, mask=mask)
+
+
+def run(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    out = torch.full_like(x, float("nan"))
+    launch(scale_add, triton.cdiv(x.numel(), block), (x, out, x.numel(), 3.0), {"BLOCK": block})
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 13, 64, 1000])
+def test_matches_the_formula_on_odd_sizes(n, device):
+    x = torch.randn(n, device=device)
+    torch.testing.assert_close(run(x), x * 3.0 + 1)
+
+
+def test_repeated_calls_and_misaligned_pointers_stay_correct(device):
+    x = torch.randn(1001, device=device)
+    for view in (x, x[1:], x, x[3:]):  # x[1:] is 4-byte aligned only: another specialization
+        torch.testing.assert_close(run(view), view * 3.0 + 1)
+
+
+def test_empty_grid_launches_nothing(device):
+    x = torch.randn(0, device=device)
+    out = torch.full((1,), float("nan"), device=device)
+    launch(scale_add, 0, (x, out, 0, 3.0), {"BLOCK": 64})
+    assert out.isnan().all()
+
+
+def test_specialization_key_follows_triton():
+    x = torch.randn(8)
+    assert _key(x) == (torch.float32, True)
+    assert _key(x[1:]) == (torch.float32, False)
+    assert _key(1) == (True, False, True)
+    assert _key(32) == (False, True, True)
+    assert _key(2**31) == (False, True, False)
+    assert _key(2.5) == (float, 2.5)
+
+
+def test_cpu_kernels_run_under_the_interpreter(device):
+    assert runs_under_interpreter(scale_add) == (device == "cpu")
+
+
+@pytest.mark.gpu
+def test_second_call_uses_the_cached_kernel(monkeypatch):
+    x = torch.randn(4096, device="cuda")
+    run(x)
+    calls = []
+    monkeypatch.setattr(type(scale_add), "__getitem__", lambda *a: calls.append(a))
+    torch.testing.assert_close(run(x), x * 3.0 + 1)
+    assert calls == [] and any(key[0] is scale_add for key in _compiled)
+
+
+@pytest.mark.gpu
+def test_profiler_hooks_see_every_launch():
+    x = torch.randn(4096, device="cuda")
+    run(x)
+    seen = []
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hooks.add(seen.append)
+    try:
+        torch.testing.assert_close(run(x), x * 3.0 + 1)
+    finally:
+        hooks.remove(seen.append)
+    assert len(seen) == 1
