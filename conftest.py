@@ -28,3 +28,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device() -> str:
     """Where the kernels run: the GPU if there is one, else the CPU under the interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+CALLS_PER_ROUND = 10  # GPU calls timed back to back between two synchronizations
+
+
+@pytest.fixture
+def timed(benchmark):
+    """``timed(fn)``: time ``fn`` with pytest-benchmark and return its last result.
+
+    ``fn`` is called once untimed first (compiling and tuning kernels). On a GPU each timed round
+    runs ``fn`` CALLS_PER_ROUND times back to back and synchronizes once: a lone synchronize per
+    call added 10-100 us of host jitter on our H100 host, enough to fail a 10% gate on a kernel
+    of 50 us with nothing changed. Medians are per round (see ``extra_info``). Without a GPU,
+    single calls (CI runs each body once with ``--benchmark-disable``).
+    """
+
+    def run(fn):
+        result = fn()
+        if not HAS_CUDA:
+            return benchmark(fn)
+        torch.cuda.synchronize()
+        last = [result]
+
+        def one_round():
+            for _ in range(CALLS_PER_ROUND):
+                last[0] = fn()
+            torch.cuda.synchronize()
+
+        benchmark.extra_info["calls_per_round"] = CALLS_PER_ROUND
+        benchmark.pedantic(one_round, rounds=30, warmup_rounds=1)
+        return last[0]
+
+    return run

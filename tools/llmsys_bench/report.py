@@ -33,7 +33,8 @@ def load_sweep(package_path: Path):
 
 def markdown_table(rows: list[harness.Row]) -> str:
     lines = [
-        "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline | vs baseline |",
+        "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline "
+        "| vs baseline |",
         "|---|---|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -19,23 +19,6 @@ QUANT_SHAPES = [(16384, 2048), (16384, 11008)] if ON_GPU else [(8, 64)]
 GEMM_SHAPES = [(16384, 2048, 6144), (16, 11008, 2048)] if ON_GPU else [(8, 64, 48)]  # M, K, N
 
 
-def synchronize() -> None:
-    if ON_GPU:
-        torch.cuda.synchronize()
-
-
-def run(benchmark, fn):
-    fn()  # warm-up outside the timed rounds: compiles and tunes the Triton kernels
-    synchronize()
-
-    def timed():
-        out = fn()
-        synchronize()
-        return out
-
-    return benchmark(timed)
-
-
 def eager_quantize(x):
     scale = x.abs().amax(dim=1, keepdim=True) / 127
     return (x / scale).round().clamp(-127, 127).to(torch.int8), scale
@@ -43,11 +26,11 @@ def eager_quantize(x):
 
 @pytest.mark.parametrize("impl", ["ours", "eager"])
 @pytest.mark.parametrize("shape", QUANT_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_quantize(benchmark, impl, shape):
+def test_quantize(benchmark, timed, impl, shape):
     benchmark.group = f"quantize-{shape[0]}x{shape[1]}"
     x = torch.randn(shape, device=DEVICE, dtype=HALF)
     fn = ki.quantize_int8_perrow if impl == "ours" else eager_quantize
-    q, scale = run(benchmark, lambda: fn(x))
+    q, scale = timed(lambda: fn(x))
     assert q.dtype == torch.int8 and torch.isfinite(scale).all()
     if impl == "ours":
         assert torch.equal(q, ki.quantize_int8_perrow_reference(x)[0])
@@ -62,7 +45,7 @@ def gemm_case(shape):
 
 @pytest.mark.parametrize("impl", ["ours", "ours_e2e", "cublas_fp16"])
 @pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "M{}-K{}-N{}".format(*s))
-def test_gemm(benchmark, impl, shape):
+def test_gemm(benchmark, timed, impl, shape):
     benchmark.group = "gemm-M{}-K{}-N{}".format(*shape)
     x, w, q_w, w_scale = gemm_case(shape)
     q_x, x_scale = ki.quantize_int8_perrow(x)
@@ -71,7 +54,7 @@ def test_gemm(benchmark, impl, shape):
         "ours_e2e": lambda: ki.matmul_quantize_int8(x, q_w, w_scale),
         "cublas_fp16": lambda: x @ w.t(),
     }
-    out = run(benchmark, fns[impl])
+    out = timed(fns[impl])
     assert out.shape == (shape[0], shape[2]) and torch.isfinite(out).all()
     if impl != "cublas_fp16":
         rows = slice(0, 8)

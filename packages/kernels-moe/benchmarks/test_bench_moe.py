@@ -23,23 +23,12 @@ def case_id(case) -> str:
     return "T{}-H{}-k{}-E{}".format(*case)
 
 
-def synchronize() -> None:
-    if ON_GPU:
-        torch.cuda.synchronize()
-
-
 def inputs(case):
     num_tokens, hidden, topk, num_experts = case
     x = torch.randn(num_tokens, hidden, device=DEVICE, dtype=DTYPE)
     top = torch.rand(num_tokens, num_experts, device=DEVICE).topk(topk, dim=1).indices
     counts = torch.bincount(top.reshape(-1), minlength=num_experts)
     return x, top, counts
-
-
-def run(benchmark, fn):
-    fn()  # warm-up outside the timed rounds: compiles the Triton kernels
-    synchronize()
-    return benchmark(fn)
 
 
 PERMUTES = {
@@ -58,7 +47,7 @@ UNPERMUTES = {"ours": km.moe_unpermute, "eager": km.moe_unpermute_reference}
 
 @pytest.mark.parametrize("impl", PERMUTES)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_permute(benchmark, impl, case):
+def test_permute(benchmark, timed, impl, case):
     benchmark.group = f"permute-{case_id(case)}"
     x, top, counts = inputs(case)
     num_tokens, _, topk, num_experts = case
@@ -67,17 +56,16 @@ def test_permute(benchmark, impl, case):
 
     def permute():
         out, padded = fn(x, top, counts, topk, num_experts, bound)
-        synchronize()
         return out, padded
 
-    out, _ = run(benchmark, permute)
+    out, _ = timed(permute)
     expected, _ = km.padded_moe_permute_reference(x, top, counts, topk, num_experts, align=ALIGN)
     assert torch.equal(out[: expected.shape[0]], expected) and not out[expected.shape[0] :].any()
 
 
 @pytest.mark.parametrize("impl", UNPERMUTES)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_unpermute(benchmark, impl, case):
+def test_unpermute(benchmark, timed, impl, case):
     benchmark.group = f"unpermute-{case_id(case)}"
     x, top, counts = inputs(case)
     num_tokens, _, topk, num_experts = case
@@ -89,9 +77,8 @@ def test_unpermute(benchmark, impl, case):
 
     def unpermute():
         y = fn(grouped, row_index, weights)
-        synchronize()
         return y
 
-    y = run(benchmark, unpermute)
+    y = timed(unpermute)
     expected = x.float() * weights.sum(1, keepdim=True)
     torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-2)

@@ -26,33 +26,21 @@ def cases(mode: str) -> list:
     ]
 
 
-def synchronize() -> None:
-    if ON_GPU:
-        torch.cuda.synchronize()
-
-
-def run(benchmark, fn):
-    fn()  # warm-up outside the timed rounds: compiles the Triton kernel
-    synchronize()
-    return benchmark(fn)
-
-
 @pytest.mark.parametrize(("impl", "shape"), cases("fwd"))
-def test_forward(benchmark, impl, shape):
+def test_forward(benchmark, timed, impl, shape):
     benchmark.group = f"fwd-{shape[0]}x{shape[1]}"
     fn = IMPLS[impl]
     a, b = (torch.randn(shape, device=DEVICE, dtype=DTYPE) for _ in range(2))
 
     def forward():
         out = fn(a, b)
-        synchronize()
         return out
 
-    assert torch.isfinite(run(benchmark, forward)).all()
+    assert torch.isfinite(timed(forward)).all()
 
 
 @pytest.mark.parametrize(("impl", "shape"), cases("fwdbwd"))
-def test_forward_backward(benchmark, impl, shape):
+def test_forward_backward(benchmark, timed, impl, shape):
     benchmark.group = f"fwdbwd-{shape[0]}x{shape[1]}"
     fn = IMPLS[impl]
     a, b = (torch.randn(shape, device=DEVICE, dtype=DTYPE, requires_grad=True) for _ in range(2))
@@ -60,7 +48,6 @@ def test_forward_backward(benchmark, impl, shape):
 
     def forward_backward():
         grads = torch.autograd.grad(fn(a, b), (a, b), grad_out)
-        synchronize()
         return grads
 
-    assert all(torch.isfinite(g).all() for g in run(benchmark, forward_backward))
+    assert all(torch.isfinite(g).all() for g in timed(forward_backward))

@@ -67,16 +67,21 @@ def launch_config(n_elements: int) -> tuple[int, int]:
     return 4096, 8
 
 
-def _launch(kernel, tensors: tuple[torch.Tensor, ...], n: int) -> None:
-    block, num_warps = launch_config(n)
-    compute = (
-        triton.language.float64 if tensors[0].dtype == torch.float64 else triton.language.float32
-    )
-    constexprs = {
-        "COMPUTE_DTYPE": compute,
+def _constexprs(dtype: torch.dtype, block: int) -> dict:
+    tl = triton.language
+    return {
+        "COMPUTE_DTYPE": tl.float64 if dtype == torch.float64 else tl.float32,
         "PRECISE": not CPU_RUNS_TRITON,  # the interpreter has no libdevice
         "BLOCK_SIZE": block,
     }
+
+
+_CONSTEXPRS = {(d, b): _constexprs(d, b) for d in SUPPORTED_DTYPES for b in (1024, 4096)}
+
+
+def _launch(kernel, tensors: tuple[torch.Tensor, ...], n: int) -> None:
+    block, num_warps = launch_config(n)
+    constexprs = _CONSTEXPRS.get((tensors[0].dtype, block)) or _constexprs(tensors[0].dtype, block)
     launch(kernel, (n + block - 1) // block, (*tensors, n), constexprs, num_warps)
 
 

@@ -1,0 +1,21 @@
+"""FlashAttention-2 in plain PyTorch and in Triton: causal, grouped-query, deterministic backward.
+
+Importing this package registers ``torch.ops.llmsys.flash_attn2_fwd`` and
+``torch.ops.llmsys.flash_attn2_bwd``.
+"""
+
+from .flash_torch import FlashAttention2Torch
+from .functional import FlashAttention2Triton, flash_attention
+from .modules import FlashSelfAttention
+from .reference import attention_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FlashAttention2Torch",
+    "FlashAttention2Triton",
+    "FlashSelfAttention",
+    "__version__",
+    "attention_reference",
+    "flash_attention",
+]

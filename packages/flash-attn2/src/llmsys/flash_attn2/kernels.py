@@ -1,0 +1,381 @@
+"""Triton kernels for FlashAttention-2: one fused forward, a backward of three kernels, no atomics.
+
+Layout: q ``(B, H, N_Q, D)``, k and v ``(B, H_KV, N_K, D)`` with ``H = GROUP * H_KV``; query head
+``h`` reads key/value head ``h // GROUP`` in place (grouped-query attention, nothing expanded).
+Any strides; batch and head offsets are 64-bit. ``BLOCK_D`` is ``HEAD_DIM`` padded to a power of
+two (at least 16): the padded lanes load as zeros and are never stored.
+
+Forward, one program per (batch * head, tile of BLOCK_M queries):
+
+    m = -inf, l = 0, acc = 0                           fp32, on chip
+    for each tile of BLOCK_N keys (causal: tiles past the diagonal are skipped):
+        s = (q @ k^T) * scale * log2(e)                base-2 logits, so exp2 needs no multiply
+        s[masked] = -1e6 * log2(e)                     only on the diagonal tile and the last tile
+        m_new = max(m, rowmax(s));  p = exp2(s - m_new);  alpha = exp2(m - m_new)
+        l = l * alpha + rowsum(p);  acc = acc * alpha + p @ v;  m = m_new
+    O = acc / l;  L = (m + log2(l)) * ln(2)              L is the natural-log log-sum-exp
+
+Backward, with P = exp2(s - L * log2(e)) recomputed tile by tile from L:
+
+    D = rowsum(dO * O)                                                  attn_bwd_preprocess_kernel
+    dK/dV, one program per (batch * kv head, tile of BLOCK_N keys); it loops over the GROUP query
+    heads of its kv head and their query tiles, accumulating in fp32 registers:
+        dV += P^T dO;  dS = P * (dO v^T - D);  dK += scale * dS^T q        attn_bwd_dkdv_kernel
+    dQ, one program per (batch * head, tile of BLOCK_M queries), looping over key tiles:
+        dQ += scale * dS k                                                  attn_bwd_dq_kernel
+
+Every output element is written by exactly one program and summed in a fixed order, so two runs
+give bitwise-identical gradients. The price is that s and dS are computed twice (7 tile products
+per key/query tile pair instead of the 5 of a backward that adds dQ with atomics).
+
+Masking costs only where needed: loads mask rows past N (zeros), scores are masked only on the
+causal diagonal tiles and, in the forward and dQ passes, on the last, partial key tile. Rows past
+N_Q load zeros and an L of +inf (dK/dV: their P is exactly 0); keys past N_K give garbage only in
+rows that are never stored.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Triton reads module globals only when they are constexpr.
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2)
+MASKED_SCORE_LOG2 = tl.constexpr(-1.0e6 * 1.4426950408889634)  # the reference's -1e6, base 2
+
+# Sequence lengths and the group size change between calls; specializing on them (== 1, multiple
+# of 16) would only multiply compiled variants. Strides stay specialized: a unit last stride is
+# what makes the loads vectorized.
+_SIZES = ["N_HEADS", "GROUP", "N_Q", "N_K"]
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """``a @ b (+ acc)`` accumulated in fp32.
+
+    DOT_UPCAST: Triton's interpreter (3.9) multiplies bfloat16 dot operands as raw integers, so on
+    CPU they go in as float32 (exact products and an fp32 sum, as the tensor cores do)."""
+    if DOT_UPCAST:
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        result = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return result
+
+
+@triton.jit
+def _tile_ptrs(base, rows, offs_d, stride_row, stride_d):
+    """Pointers to the (len(rows), BLOCK_D) tile of a (seq, dim) matrix at ``base``."""
+    return base + rows[:, None] * stride_row + offs_d[None, :] * stride_d
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK_ROWS: tl.constexpr):  # fmt: skip
+    """Load a (rows, BLOCK_D) tile; rows >= n_rows and lanes >= HEAD_DIM read as 0."""
+    if MASK_ROWS:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        if BLOCK_D == HEAD_DIM:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    if BLOCK_D == HEAD_DIM:
+        tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+# fmt: off
+# --- forward -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, offs_m, offs_d,
+               N_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Online softmax over the key tiles [lo, hi); MASK: these tiles need score masks."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_rows(k_ptrs + start_n * stride_kn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        v = _load_rows(v_ptrs + start_n * stride_vn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if MASK:
+            keep = offs_n[None, :] < N_K
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, MASKED_SCORE_LOG2)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def attn_fwd_kernel(
+    # pointers
+    Q, K, V, Out, LSE,
+    # strides (batch, head, row, dim)
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    # sizes
+    N_HEADS, GROUP, N_Q, N_K, sm_scale,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    # Causal tiles at the end of the sequence do the most work: launch them first.
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    b = (pid_bh // N_HEADS).to(tl.int64)
+    h = pid_bh % N_HEADS
+    h_kv = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = _tile_ptrs(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd)
+    k_ptrs = _tile_ptrs(K + b * stride_kb + h_kv * stride_kh, offs_n, offs_d, stride_kn, stride_kd)
+    v_ptrs = _tile_ptrs(V + b * stride_vb + h_kv * stride_vh, offs_n, offs_d, stride_vn, stride_vd)
+    q = _load_rows(q_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2E
+    if CAUSAL:  # keys before the tile's first query are visible to all of its rows
+        hi = tl.minimum(N_K, start_m + BLOCK_M)
+        full_hi = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = N_K
+        full_hi = N_K // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn,
+                               offs_m, offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
+                               CAUSAL, DOT_PRECISION, DOT_UPCAST)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, full_hi, hi, stride_kn, stride_vn,
+                               offs_m, offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
+                               CAUSAL, DOT_PRECISION, DOT_UPCAST)
+
+    out = acc / l_i[:, None]
+    o_ptrs = _tile_ptrs(Out + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od)
+    _store_rows(o_ptrs, out.to(Out.dtype.element_ty), offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
+    lse_ptrs = LSE + (b * N_HEADS + h) * N_Q + offs_m
+    tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * LN2, mask=offs_m < N_Q)
+
+
+# --- backward ------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["N_HEADS", "N_Q"])
+def attn_bwd_preprocess_kernel(
+    Out, DO, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    N_HEADS, N_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """D = rowsum(dO * O) in fp32, one program per (batch * head, tile of BLOCK_M rows)."""
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // N_HEADS).to(tl.int64)
+    h = (pid_bh % N_HEADS).to(tl.int64)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o_ptrs = _tile_ptrs(Out + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od)
+    do_ptrs = _tile_ptrs(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom,
+                         stride_dod)
+    o = _load_rows(o_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+    do = _load_rows(do_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+    tl.store(DELTA + (b * N_HEADS + h) * N_Q + offs_m, tl.sum(o * do, 1), mask=offs_m < N_Q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, stride_qm, stride_dom,
+                offs_n, offs_d, N_Q, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr, MASK_ROWS: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Accumulate dK, dV of one key tile over the query tiles [lo, hi), in transposed form."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        q = _load_rows(q_ptrs + start_m * stride_qm, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D,
+                       MASK_ROWS)
+        do = _load_rows(do_ptrs + start_m * stride_dom, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D,
+                        MASK_ROWS)
+        if MASK_ROWS:  # an L of +inf makes P exactly 0 in rows past N_Q
+            lse = tl.load(lse_ptrs + offs_m, mask=offs_m < N_Q, other=float("inf"))
+            delta = tl.load(delta_ptrs + offs_m, mask=offs_m < N_Q, other=0.0)
+        else:
+            lse = tl.load(lse_ptrs + offs_m)
+            delta = tl.load(delta_ptrs + offs_m)
+        s_t = _dot(k, tl.trans(q), None, DOT_PRECISION, DOT_UPCAST) * qk_scale  # (BLOCK_N, BLOCK_M)
+        if MASK_CAUSAL:  # -inf, not -1e6: P is exactly 0 either way, and nothing overflows
+            s_t = tl.where(offs_n[:, None] <= offs_m[None, :], s_t, float("-inf"))
+        p_t = tl.exp2(s_t - lse[None, :] * LOG2E)
+        dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, DOT_UPCAST)
+        dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION, DOT_UPCAST)  # (BLOCK_N, BLOCK_M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = _dot(ds_t.to(q.dtype), q, dk, DOT_PRECISION, DOT_UPCAST)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["N_KV_HEADS", "GROUP", "N_Q", "N_K"])
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    N_KV_HEADS, GROUP, N_Q, N_K, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N  # causal: the first key tiles do the most work
+    b = (pid_bh // N_KV_HEADS).to(tl.int64)
+    h_kv = (pid_bh % N_KV_HEADS).to(tl.int64)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k_ptrs = _tile_ptrs(K + b * stride_kb + h_kv * stride_kh, offs_n, offs_d, stride_kn, stride_kd)
+    v_ptrs = _tile_ptrs(V + b * stride_vb + h_kv * stride_vh, offs_n, offs_d, stride_vn, stride_vd)
+    k = _load_rows(k_ptrs, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(v_ptrs, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2E
+
+    # Query tiles: [lo, diag_end) cross the diagonal (masked), [diag_end, full_end) are whole and
+    # unmasked, [full_end, N_Q) is the last, partial tile. Queries before start_n see no key here.
+    if CAUSAL:
+        lo = start_n // BLOCK_M * BLOCK_M
+        diag_end = tl.minimum(tl.cdiv(start_n + BLOCK_N, BLOCK_M), tl.cdiv(N_Q, BLOCK_M)) * BLOCK_M
+    else:
+        lo = 0
+        diag_end = 0
+    full_end = tl.maximum(N_Q // BLOCK_M * BLOCK_M, diag_end)
+    n_heads = N_KV_HEADS * GROUP
+    for g in range(GROUP):  # the query heads that share this kv head, in a fixed order
+        h = h_kv * GROUP + g
+        q_ptrs = _tile_ptrs(Q + b * stride_qb + h * stride_qh, offs_m0, offs_d, stride_qm,
+                            stride_qd)
+        do_ptrs = _tile_ptrs(DO + b * stride_dob + h * stride_doh, offs_m0, offs_d, stride_dom,
+                             stride_dod)
+        lse_ptrs = LSE + (b * n_heads + h) * N_Q
+        delta_ptrs = DELTA + (b * n_heads + h) * N_Q
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, diag_end,
+                                 stride_qm, stride_dom, offs_n, offs_d, N_Q, qk_scale, HEAD_DIM,
+                                 BLOCK_D, BLOCK_M, True, True, DOT_PRECISION, DOT_UPCAST)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, diag_end,
+                             full_end, stride_qm, stride_dom, offs_n, offs_d, N_Q, qk_scale,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION, DOT_UPCAST)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, full_end, N_Q,
+                             stride_qm, stride_dom, offs_n, offs_d, N_Q, qk_scale, HEAD_DIM,
+                             BLOCK_D, BLOCK_M, False, True, DOT_PRECISION, DOT_UPCAST)
+
+    dk_ptrs = _tile_ptrs(DK + b * stride_dkb + h_kv * stride_dkh, offs_n, offs_d, stride_dkn,
+                         stride_dkd)
+    dv_ptrs = _tile_ptrs(DV + b * stride_dvb + h_kv * stride_dvh, offs_n, offs_d, stride_dvn,
+                         stride_dvd)
+    _store_rows(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, N_K, offs_d, HEAD_DIM,
+                BLOCK_D)
+    _store_rows(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, offs_m, offs_d,
+              N_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
+    """Accumulate dQ of one query tile over the key tiles [lo, hi); lse is in base 2 here."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        k = _load_rows(k_ptrs + start_n * stride_kn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        v = _load_rows(v_ptrs + start_n * stride_vn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if MASK:
+            keep = offs_n[None, :] < N_K
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        p = tl.exp2(s - lse[:, None])
+        dp = _dot(do, tl.trans(v), None, DOT_PRECISION, DOT_UPCAST)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(k.dtype), k, dq, DOT_PRECISION, DOT_UPCAST)
+    return dq
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    N_HEADS, GROUP, N_Q, N_K, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest first, as forward
+    b = (pid_bh // N_HEADS).to(tl.int64)
+    h = pid_bh % N_HEADS
+    h_kv = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q_ptrs = _tile_ptrs(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd)
+    do_ptrs = _tile_ptrs(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom,
+                         stride_dod)
+    k_ptrs = _tile_ptrs(K + b * stride_kb + h_kv * stride_kh, offs_n, offs_d, stride_kn, stride_kd)
+    v_ptrs = _tile_ptrs(V + b * stride_vb + h_kv * stride_vh, offs_n, offs_d, stride_vn, stride_vd)
+    q = _load_rows(q_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(do_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True)
+    row = (b * N_HEADS + h) * N_Q + offs_m
+    lse = tl.load(LSE + row, mask=offs_m < N_Q, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row, mask=offs_m < N_Q, other=0.0)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2E
+    if CAUSAL:
+        hi = tl.minimum(N_K, start_m + BLOCK_M)
+        full_hi = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = N_K
+        full_hi = N_K // BLOCK_N * BLOCK_N
+    dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn, offs_m,
+                   offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL,
+                   DOT_PRECISION, DOT_UPCAST)
+    dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, full_hi, hi, stride_kn, stride_vn, offs_m,
+                   offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL,
+                   DOT_PRECISION, DOT_UPCAST)
+
+    dq_ptrs = _tile_ptrs(DQ + b * stride_dqb + h * stride_dqh, offs_m, offs_d, stride_dqm,
+                         stride_dqd)
+    _store_rows(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, HEAD_DIM,
+                BLOCK_D)
+# fmt: on

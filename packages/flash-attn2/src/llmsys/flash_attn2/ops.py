@@ -1,0 +1,374 @@
+"""Launchers, tile configurations and the ``torch.ops.llmsys.flash_attn2_*`` registrations.
+
+Two ops, registered with a lean ``torch.library.Library`` plus fake implementations, so that
+``torch.compile(fullgraph=True)`` sees them as opaque calls:
+
+    flash_attn2_fwd(q, k, v, causal, scale) -> (out, lse)
+    flash_attn2_bwd(grad_out, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
+
+q is ``(B, N_q, d)`` or ``(B, H, N_q, d)``; k and v ``(B, N_k, d)`` or ``(B, H_kv, N_k, d)``.
+The ops themselves are not differentiable: ``flash_attention`` (functional.py) is.
+CUDA tensors run the Triton kernels; CPU tensors run them under ``TRITON_INTERPRET=1`` and
+otherwise fall back to the plain-PyTorch FlashAttention-2 of ``flash_torch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+
+from . import kernels
+from .flash_torch import flash_backward_torch, flash_forward_torch
+
+NAMESPACE = "llmsys"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# fp32 inputs use TF32 tensor-core dots ("fp32 = tf32 dots"); 16-bit inputs ignore this setting.
+DOT_PRECISION = "tf32"
+
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+_lib.define(
+    "flash_attn2_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "flash_attn2_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "bool causal, float scale) -> (Tensor, Tensor, Tensor)"
+)
+
+# Under TRITON_INTERPRET=1 `triton.jit` returns an interpreter object that runs on CPU tensors.
+CPU_RUNS_TRITON = type(kernels.attn_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+# --- input checks --------------------------------------------------------------------------------
+
+
+def check_inputs(op: str, q, k, v, causal, scale, causal_name: str = "causal") -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the ops."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise TypeError(f"{op}: `{name}` must have dtype in ({allowed}), got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{op}: `{name}` must have the dtype of `q` ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(
+                f"{op}: `{name}` must be on the device of `q` ({q.device}), got {t.device}"
+            )
+    if q.dim() not in (3, 4):
+        raise ValueError(
+            f"{op}: `q` must be 3-D (batch, seq, head_dim) or 4-D (batch, heads, seq, head_dim), "
+            f"got shape {tuple(q.shape)}"
+        )
+    if k.dim() != q.dim() or k.shape[0] != q.shape[0] or k.shape[-1] != q.shape[-1]:
+        layout = "(batch, seq, head_dim)" if q.dim() == 3 else "(batch, kv_heads, seq, head_dim)"
+        raise ValueError(
+            f"{op}: `k` must be {layout} with the batch and head_dim of `q` {tuple(q.shape)}, "
+            f"got {tuple(k.shape)}"
+        )
+    if v.shape != k.shape:
+        raise ValueError(
+            f"{op}: `v` must have the shape of `k` {tuple(k.shape)}, got {tuple(v.shape)}"
+        )
+    if q.dim() == 4 and (k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0):
+        raise ValueError(
+            f"{op}: the {k.shape[1]} heads of `k` must divide the {q.shape[1]} heads of `q` "
+            "(grouped-query attention)"
+        )
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(
+            f"{op}: `q` head_dim must be between 1 and {MAX_HEAD_DIM}, got {q.shape[-1]}"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: `{causal_name}` must be a bool, got {type(causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"{op}: `scale` must be a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"{op}: `scale` must be finite, got {scale}")
+
+
+def check_grad_out(op: str, grad_out, out) -> None:
+    if not isinstance(grad_out, torch.Tensor):
+        raise TypeError(f"{op}: `grad_out` must be a torch.Tensor, got {type(grad_out).__name__}")
+    if grad_out.shape != out.shape:
+        raise ValueError(
+            f"{op}: `grad_out` must have the shape of `out` {tuple(out.shape)}, "
+            f"got {tuple(grad_out.shape)}"
+        )
+
+
+# --- tile configurations -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One kernel's launch geometry: BLOCK_M query rows by BLOCK_N key rows per tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def block_d(head_dim: int) -> int:
+    """``head_dim`` padded to a power of two of at least 16 (``tl.dot``'s smallest K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+# (forward, dK/dV, dQ) by padded head dim, for 16-bit inputs. Candidates were compiled for sm_90
+# first (registers, spills, shared memory; an H100 block gets at most 227 KiB) and then timed on an
+# H100 at 1x16x16384x64 and 4x16x4096x128, causal bf16, by benchmarks/explore.py; the fastest of
+# each kernel is here (benchmarks/NOTES.md has every measurement). d = 16 and 32 use d = 64's tiles.
+_CONFIGS_16BIT = {
+    16: (TileConfig(128, 64, 4, 3), TileConfig(32, 64, 4, 4), TileConfig(64, 64, 4, 3)),
+    32: (TileConfig(128, 64, 4, 3), TileConfig(32, 64, 4, 4), TileConfig(64, 64, 4, 3)),
+    64: (TileConfig(128, 64, 4, 3), TileConfig(32, 64, 4, 4), TileConfig(64, 64, 4, 3)),
+    128: (TileConfig(128, 64, 8, 3), TileConfig(32, 128, 8, 3), TileConfig(64, 32, 4, 4)),
+    256: (TileConfig(64, 64, 8, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
+}
+# float32 tiles take twice the registers and shared memory: smaller tiles, fewer stages.
+_CONFIGS_32BIT = {
+    16: (TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 32, 4, 3)),
+    32: (TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 32, 4, 3)),
+    64: (TileConfig(64, 64, 4, 3), TileConfig(16, 64, 4, 2), TileConfig(64, 32, 4, 2)),
+    128: (TileConfig(64, 32, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
+    256: (TileConfig(32, 32, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(32, 16, 4, 2)),
+}
+
+
+def tile_configs(head_dim: int, dtype: torch.dtype) -> tuple[TileConfig, TileConfig, TileConfig]:
+    """(forward, dK/dV, dQ) tile configurations for this head dim and dtype."""
+    table = _CONFIGS_32BIT if dtype == torch.float32 else _CONFIGS_16BIT
+    return table[block_d(head_dim)]
+
+
+PREPROCESS_BLOCK_M = 64
+
+
+# --- launchers -----------------------------------------------------------------------------------
+
+
+def _alloc(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every output buffer comes from here (tests fill it with NaN to catch unwritten elements)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _common_meta(q: torch.Tensor) -> dict:
+    """The constexpr arguments every attention kernel takes."""
+    d = q.shape[-1]
+    return {
+        "HEAD_DIM": d,
+        "BLOCK_D": block_d(d),
+        "DOT_PRECISION": DOT_PRECISION,
+        # Triton's interpreter multiplies bfloat16 dot operands as integers: upcast them there.
+        "DOT_UPCAST": not q.is_cuda and q.dtype == torch.bfloat16,
+    }
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 4 else t.unsqueeze(1)
+
+
+def _rows_fit_int32(*tensors: torch.Tensor) -> bool:
+    # Offsets inside one (batch, head) slice are 32-bit in the kernels.
+    return all(
+        t.shape[-2] * abs(t.stride(-2)) + t.shape[-1] * abs(t.stride(-1)) < 2**31 for t in tensors
+    )
+
+
+def _device_guard(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else _NullContext()
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _fallback_forward(q, k, v, causal, scale):
+    """Plain-PyTorch FlashAttention-2, one query head of each group at a time (no expansion)."""
+    group = q.shape[1] // k.shape[1]
+    q_grouped = q.unflatten(1, (k.shape[1], group))  # (B, H_kv, G, N_q, d), a view
+    outs, lses = zip(
+        *(flash_forward_torch(q_grouped[:, :, g], k, v, causal, scale) for g in range(group)),
+        strict=True,
+    )
+    out = torch.stack(outs, dim=2).flatten(1, 2)  # (B, H, N_q, d)
+    lse = torch.stack(lses, dim=2).flatten(1, 2)  # (B, H, N_q)
+    return out, lse
+
+
+def _fallback_backward(grad_out, q, k, v, out, lse, causal, scale):
+    group = q.shape[1] // k.shape[1]
+    split = [t.unflatten(1, (k.shape[1], group)) for t in (grad_out, q, out, lse)]
+    dqs, dk, dv = (
+        [],
+        torch.zeros_like(k, dtype=torch.float32),
+        torch.zeros_like(v, dtype=torch.float32),
+    )
+    for g in range(group):
+        do_g, q_g, out_g, lse_g = (t[:, :, g] for t in split)
+        dq_g, dk_g, dv_g = flash_backward_torch(do_g, q_g, k, v, out_g, lse_g, causal, scale)
+        dqs.append(dq_g)
+        dk += dk_g
+        dv += dv_g
+    return torch.stack(dqs, dim=2).flatten(1, 2), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_attn2_fwd_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: ``(out, lse)``, ``out`` contiguous in q's shape and dtype, ``lse`` float32."""
+    check_inputs("flash_attn2_fwd", q, k, v, causal, scale)
+    q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    out = _alloc((batch, heads, n_q, d), q.dtype, q.device)
+    lse = _alloc((batch, heads, n_q), torch.float32, q.device)
+    if out.numel() == 0 or n_k == 0:  # no keys: an empty sum, so out = 0 and lse = log(0)
+        out.zero_()
+        lse.fill_(-math.inf)
+    elif not q.is_cuda and not CPU_RUNS_TRITON:
+        out_, lse_ = _fallback_forward(q4, k4, v4, causal, scale)
+        out.copy_(out_)
+        lse.copy_(lse_)
+    else:
+        if not _rows_fit_int32(q4, k4, v4):
+            q4, k4, v4 = q4.contiguous(), k4.contiguous(), v4.contiguous()
+        config = tile_configs(d, q.dtype)[0]
+        grid = (batch * heads, triton.cdiv(n_q, config.block_m))
+        with _device_guard(q):
+            kernels.attn_fwd_kernel[grid](
+                q4, k4, v4, out, lse,
+                *q4.stride(), *k4.stride(), *v4.stride(), *out.stride(),
+                heads, heads // kv_heads, n_q, n_k, scale,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
+                num_warps=config.num_warps, num_stages=config.num_stages, **_common_meta(q4),
+            )  # fmt: skip
+    if q.dim() == 3:
+        return out.squeeze(1), lse.squeeze(1)
+    return out, lse
+
+
+def flash_attn2_bwd_impl(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: ``(dq, dk, dv)``, contiguous, in the shapes and dtype of q, k, v."""
+    check_inputs("flash_attn2_bwd", q, k, v, causal, scale)
+    check_grad_out("flash_attn2_bwd", grad_out, out)
+    if grad_out.dtype != q.dtype:
+        grad_out = grad_out.to(q.dtype)
+    q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
+    lse3 = lse if lse.dim() == 3 else lse.unsqueeze(1)
+    n_k = k4.shape[2]
+    dq = _alloc(q4.shape, q.dtype, q.device)
+    dk = _alloc(k4.shape, k.dtype, k.device)
+    dv = _alloc(v4.shape, v.dtype, v.device)
+    if n_k == 0 or q4.numel() == 0:
+        dq.zero_(), dk.zero_(), dv.zero_()
+    elif not q.is_cuda and not CPU_RUNS_TRITON:
+        for buffer, grad in zip(
+            (dq, dk, dv), _fallback_backward(do4, q4, k4, v4, o4, lse3, causal, scale), strict=True
+        ):
+            buffer.copy_(grad)
+    else:
+        if not _rows_fit_int32(q4, k4, v4, o4, do4):
+            q4, k4, v4, o4, do4 = (t.contiguous() for t in (q4, k4, v4, o4, do4))
+        lse3 = lse3.contiguous()
+        _launch_backward(do4, q4, k4, v4, o4, lse3, dq, dk, dv, causal, scale)
+    if q.dim() == 3:
+        return dq.squeeze(1), dk.squeeze(1), dv.squeeze(1)
+    return dq, dk, dv
+
+
+def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> None:
+    batch, heads, n_q, d = q4.shape
+    kv_heads, n_k = k4.shape[1], k4.shape[2]
+    group = heads // kv_heads
+    _, dkdv_config, dq_config = tile_configs(d, q4.dtype)
+    delta = _alloc((batch, heads, n_q), torch.float32, q4.device)
+    meta = _common_meta(q4)
+    with _device_guard(q4):
+        kernels.attn_bwd_preprocess_kernel[(batch * heads, triton.cdiv(n_q, PREPROCESS_BLOCK_M))](
+            o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_q,
+            HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PREPROCESS_BLOCK_M,
+        )  # fmt: skip
+        grid = (batch * kv_heads, triton.cdiv(n_k, dkdv_config.block_n))
+        kernels.attn_bwd_dkdv_kernel[grid](
+            q4, k4, v4, do4, lse, delta, dk, dv,
+            *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dk.stride(), *dv.stride(),
+            kv_heads, group, n_q, n_k, scale,
+            BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, CAUSAL=causal,
+            num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages, **meta,
+        )  # fmt: skip
+        grid = (batch * heads, triton.cdiv(n_q, dq_config.block_m))
+        kernels.attn_bwd_dq_kernel[grid](
+            q4, k4, v4, do4, lse, delta, dq,
+            *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dq.stride(),
+            heads, group, n_q, n_k, scale,
+            BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, CAUSAL=causal,
+            num_warps=dq_config.num_warps, num_stages=dq_config.num_stages, **meta,
+        )  # fmt: skip
+
+
+# --- registration --------------------------------------------------------------------------------
+
+
+@torch.library.register_fake(f"{NAMESPACE}::flash_attn2_fwd", lib=_lib)
+def _fwd_fake(q, k, v, causal, scale):
+    check_inputs("flash_attn2_fwd", q, k, v, causal, scale)
+    out = q.new_empty(q.shape)  # contiguous
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::flash_attn2_bwd", lib=_lib)
+def _bwd_fake(grad_out, q, k, v, out, lse, causal, scale):
+    check_inputs("flash_attn2_bwd", q, k, v, causal, scale)
+    check_grad_out("flash_attn2_bwd", grad_out, out)
+    return tuple(t.new_empty(t.shape) for t in (q, k, v))
+
+
+for _device in ("CPU", "CUDA"):
+    _lib.impl("flash_attn2_fwd", flash_attn2_fwd_impl, _device)
+    _lib.impl("flash_attn2_bwd", flash_attn2_bwd_impl, _device)
+
+
+def _direct_call_ok(*tensors: torch.Tensor) -> bool:
+    """True when an impl may be called without a trip through the dispatcher.
+
+    Only for plain tensors outside ``torch.compile`` and with no dispatch mode (fake, functional,
+    a test's recorder) that would want to see the op.
+    """
+    return (
+        not torch.compiler.is_compiling()
+        and all(type(t) is torch.Tensor for t in tensors)
+        and not torch._C._len_torch_dispatch_stack()
+    )
+
+
+def attention_forward(q, k, v, causal: bool, scale: float):
+    """``(out, lse)`` through the registered op (or straight to its impl when that is safe)."""
+    if _direct_call_ok(q, k, v):
+        return flash_attn2_fwd_impl(q, k, v, causal, scale)
+    return torch.ops.llmsys.flash_attn2_fwd(q, k, v, causal, scale)
+
+
+def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
+    """``(dq, dk, dv)`` through the registered op (or straight to its impl)."""
+    if _direct_call_ok(grad_out, q, k, v, out, lse):
+        return flash_attn2_bwd_impl(grad_out, q, k, v, out, lse, causal, scale)
+    return torch.ops.llmsys.flash_attn2_bwd(grad_out, q, k, v, out, lse, causal, scale)

@@ -1,0 +1,72 @@
+"""Shared helpers for the flash-attn2 tests: inputs, gradients, tolerances, poisoned outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmsys.flash_attn2 import attention_reference, ops
+
+
+def make_qkv(q_shape, kv_shape, dtype=torch.float32, device="cpu", scale=1.0):
+    """Fresh random (q, k, v) leaves that require grad; values ~ N(0, scale^2)."""
+    q = (scale * torch.randn(q_shape, device=device)).to(dtype).requires_grad_()
+    k = (scale * torch.randn(kv_shape, device=device)).to(dtype).requires_grad_()
+    v = (scale * torch.randn(kv_shape, device=device)).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def run_with_grads(fn, q, k, v, grad_out):
+    """(out, dq, dk, dv) of ``fn(q, k, v)`` for fresh leaves holding the values of q, k, v."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    return out.detach(), dq, dk, dv
+
+
+def reference_with_grads(q, k, v, grad_out, causal, scale=None, upcast=True):
+    """(out, lse, dq, dk, dv) of the materialized-softmax spec (float64 when ``upcast``)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = attention_reference(q, k, v, causal, scale, upcast=upcast)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    return out.detach(), lse, dq, dk, dv
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (0 for two empty tensors)."""
+    expected = expected.double()
+    denominator = expected.norm().item() or 1.0
+    return (actual.double() - expected).norm().item() / denominator
+
+
+# Relative (norm-wise) error bound against the float64 spec, by dtype and device. On CPU the
+# interpreter computes float32 dots exactly; on a GPU float32 runs TF32 dots (10-bit mantissa).
+REL_TOL = {
+    ("cpu", torch.float32): 2e-5,
+    ("cuda", torch.float32): 5e-3,
+    ("cpu", torch.float16): 5e-3,
+    ("cuda", torch.float16): 5e-3,
+    ("cpu", torch.bfloat16): 3e-2,  # the interpreter truncates float32 -> bfloat16 casts
+    ("cuda", torch.bfloat16): 2e-2,
+}
+
+
+def assert_matches_spec(results, spec, dtype, device, names=("out", "dq", "dk", "dv")) -> None:
+    """Every tensor of ``results`` is finite and within REL_TOL of its ``spec`` counterpart."""
+    tol = REL_TOL[(torch.device(device).type, dtype)]
+    for name, got, want in zip(names, results, spec, strict=True):
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+        assert torch.isfinite(got).all(), f"{name} has non-finite values"
+        error = relative_error(got, want)
+        assert error <= tol, f"{name}: relative error {error:.2e} > {tol:.0e}"
+
+
+@pytest.fixture
+def nan_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fill every buffer the ops allocate with NaN, so an element no kernel writes fails a test."""
+    alloc = ops._alloc
+
+    def nan_alloc(*args, **kwargs):
+        return alloc(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(ops, "_alloc", nan_alloc)
