@@ -20,7 +20,6 @@ from triton.language.extra import libdevice
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
 import llmsys.kernels_swiglu as ks
 from llmsys.kernels_swiglu import kernels, ops
-from llmsys.triton_launch import launcher as triton_launch
 from llmsys_bench import harness
 
 
@@ -133,10 +132,12 @@ def host_cost():
 
     torch.ops.llm_scaling_week.swiglu_fwd(a, b)  # compile and cache the launcher
     out = torch.empty_like(a)
-    (compiled,) = [  # key: kernel, device, warps, (dtype, aligned) x 3, n's key, constexprs
+    (compiled,) = [
         kernel
-        for key, kernel in triton_launch._compiled.items()
-        if key[0] is kernels.swiglu_fwd_kernel and key[3] == (a.dtype, True) and key[-1] == 1024
+        for key, kernel in ops._compiled.items()
+        if key[0] is kernels.swiglu_fwd_kernel
+        and key[1] == a.dtype
+        and key[3:7] == (1024, True, False, False)
     ]
     stream = torch._C._cuda_getCurrentRawStream(0)
 
@@ -186,7 +187,7 @@ def host_cost():
         "key building": key_parts,
         "current_device + hooks check": lambda: (
             torch.cuda.current_device(),
-            triton_launch._launch_hooks_installed(),
+            ops._launch_hooks_installed(),
         ),
         "plain triton launch + empty_like": plain_triton,
         "empty_like alone": lambda: torch.empty_like(a),

@@ -1,8 +1,8 @@
 """Launchers and the ``torch.ops.llm_scaling_week`` registrations.
 
 The ops are registered with a lean ``torch.library.Library`` (define + impl + fake + an
-Autograd-key kernel) rather than ``torch.library.custom_op``, and launched through
-``llmsys.triton_launch``, which calls the compiled kernel directly after the first call:
+Autograd-key kernel) rather than ``torch.library.custom_op``, and the CUDA launcher calls the
+compiled Triton kernel directly once it has been compiled for a given specialization:
 ``JITFunction.run`` rebinds and re-specializes every argument on every call, which is most of a
 small call's host cost.
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 import triton
-
-from llmsys.triton_launch import launch, runs_under_interpreter
 
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import swiglu_backward_reference, swiglu_reference
@@ -26,7 +24,7 @@ _lib.define("swiglu_fwd(Tensor a, Tensor b) -> Tensor")
 _lib.define("swiglu_bwd(Tensor grad_out, Tensor a, Tensor b) -> (Tensor, Tensor)")
 
 # Under TRITON_INTERPRET=1 `triton.jit` returns an interpreter object that runs on CPU tensors.
-CPU_RUNS_TRITON = runs_under_interpreter(swiglu_fwd_kernel)
+CPU_RUNS_TRITON = type(swiglu_fwd_kernel).__name__ == "InterpretedFunction"
 
 
 def check_inputs(op: str, **tensors: torch.Tensor) -> None:
@@ -67,22 +65,68 @@ def launch_config(n_elements: int) -> tuple[int, int]:
     return 4096, 8
 
 
-def _constexprs(dtype: torch.dtype, block: int) -> dict:
-    tl = triton.language
-    return {
-        "COMPUTE_DTYPE": tl.float64 if dtype == torch.float64 else tl.float32,
-        "PRECISE": not CPU_RUNS_TRITON,  # the interpreter has no libdevice
-        "BLOCK_SIZE": block,
-    }
+def _launch_hooks_installed() -> bool:
+    hook = triton.knobs.runtime.launch_enter_hook  # a HookChain: never None, empty by default
+    return bool(getattr(hook, "calls", hook))
 
 
-_CONSTEXPRS = {(d, b): _constexprs(d, b) for d in SUPPORTED_DTYPES for b in (1024, 4096)}
+# Compiled kernels keyed by everything Triton specializes on: dtype, device, 16-byte alignment
+# of each pointer, and the size's divisibility by 16, value 1 and width. This is a specialized
+# copy of llmsys.triton_launch.launch: the generic one's per-argument key cost 2.8 us more per
+# call on our H100 host (11.2 vs 8.5 us; NOTES.md section 7), which the host-cost budget of a
+# 128x128 call (1.2x eager's 15 us) cannot afford.
+_compiled: dict[tuple, object] = {}
 
 
 def _launch(kernel, tensors: tuple[torch.Tensor, ...], n: int) -> None:
     block, num_warps = launch_config(n)
-    constexprs = _CONSTEXPRS.get((tensors[0].dtype, block)) or _constexprs(tensors[0].dtype, block)
-    launch(kernel, (n + block - 1) // block, (*tensors, n), constexprs, num_warps)
+    grid = (n + block - 1) // block
+    first = tensors[0]
+    device = first.get_device()  # -1 on CPU
+    compute = triton.language.float64 if first.dtype == torch.float64 else triton.language.float32
+    if device < 0:  # the interpreter (TRITON_INTERPRET=1), which has no libdevice
+        kernel[(grid,)](*tensors, n, COMPUTE_DTYPE=compute, PRECISE=False, BLOCK_SIZE=block)
+        return
+    key = (
+        kernel,
+        first.dtype,
+        device,
+        block,
+        n % 16 == 0,
+        n == 1,
+        n >= 2**31,
+        *[t.data_ptr() % 16 == 0 for t in tensors],
+    )
+    compiled = _compiled.get(key)
+    if compiled is None or device != torch.cuda.current_device() or _launch_hooks_installed():
+        # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
+        with torch.cuda.device(device):
+            _compiled[key] = kernel[(grid,)](
+                *tensors,
+                n,
+                COMPUTE_DTYPE=compute,
+                PRECISE=True,
+                BLOCK_SIZE=block,
+                num_warps=num_warps,
+            )
+        return
+    # The arguments of CompiledKernel.run as JITFunction.run passes them (triton 3.4 to 3.9).
+    compiled.run(
+        grid,
+        1,
+        1,
+        torch._C._cuda_getCurrentRawStream(device),
+        compiled.function,
+        compiled.packed_metadata,
+        None,  # launch metadata, enter hook, exit hook: only for profiler hooks, checked above
+        None,
+        None,
+        *tensors,
+        n,
+        compute,
+        True,
+        block,
+    )
 
 
 def _swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
