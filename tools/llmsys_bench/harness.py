@@ -181,3 +181,33 @@ def write_csv(rows: Iterable[Row], path: str | Path) -> Path:
 def read_csv(path: str | Path) -> list[dict]:
     with Path(path).open(newline="") as f:
         return list(csv.DictReader(f))
+
+
+def sweep_arguments(description: str, results: Path, quick_help: str):
+    """The command line every package's sweep shares: --device, --quick, --out, --replot."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=results, help="folder for the CSV and plot")
+    parser.add_argument("--replot", type=Path, help="only redraw the plot of a results CSV")
+    return parser
+
+
+def replot(csv_path: Path, plot: Callable[[list[Row], Path], Path]) -> Path:
+    """Redraw a sweep's plot from its committed CSV (no GPU needed); returns the PNG path."""
+    rows = [Row.from_dict(r) for r in read_csv(csv_path)]
+    return plot(rows, Path(csv_path).with_suffix(".png"))
+
+
+def save_figure(fig, path: Path, title: str, dpi: int = 110) -> Path:
+    """Title, lay out, write and close a matplotlib figure; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

@@ -13,7 +13,6 @@ counting causal forward as ``2 * B * H * N^2 * d`` and backward as 2.5x that) an
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -292,25 +291,19 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
     ax.legend(fontsize=7)
     for ax in axes[len(panels) + 1 :]:
         ax.axis("off")
-    fig.suptitle(f"FlashAttention-2 on {rows[0].gpu}" if rows else "FlashAttention-2")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return harness.save_figure(
+        fig, path, f"FlashAttention-2 on {rows[0].gpu}" if rows else "FlashAttention-2", dpi=100
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="only the multi-head cases")
+    parser = harness.sweep_arguments(
+        __doc__.splitlines()[0], RESULTS, quick_help="only the multi-head cases"
+    )
     parser.add_argument("--full", action="store_true", help="the whole assignment grid (long)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the CSV and plot")
-    parser.add_argument("--replot", type=Path, help="only redraw the plot of a results CSV")
     args = parser.parse_args(argv)
     if args.replot:
-        rows = [harness.Row.from_dict(r) for r in harness.read_csv(args.replot)]
-        print("wrote", plot(rows, args.replot.with_suffix(".png")))
+        print("wrote", harness.replot(args.replot, plot))
         return
     from tqdm import tqdm
 

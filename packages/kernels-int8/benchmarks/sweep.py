@@ -17,7 +17,6 @@ uses the measured copy bandwidth and the bytes each provider must move at least.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -355,20 +354,19 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
     axes[-1].tick_params(axis="x", rotation=45)
     axes[-1].legend(fontsize=7)
     axes[-1].grid(alpha=0.3)
-    fig.suptitle(f"INT8 W8A8 on {rows[0].gpu}" if rows else "INT8 W8A8")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return harness.save_figure(
+        fig, path, f"INT8 W8A8 on {rows[0].gpu}" if rows else "INT8 W8A8", dpi=110
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="only M = 1, 16 and 16384")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the CSV and plot")
+    parser = harness.sweep_arguments(
+        __doc__.splitlines()[0], RESULTS, quick_help="only M = 1, 16 and 16384"
+    )
     args = parser.parse_args(argv)
+    if args.replot:
+        print("wrote", harness.replot(args.replot, plot))
+        return
     from tqdm import tqdm
 
     global VERBOSE

@@ -13,7 +13,6 @@ for the bytes it really moves (``min_bytes_frac``).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 import time
@@ -280,21 +279,20 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
             ax.grid(alpha=0.3)
         axes[0][col].set_yscale("log")
         axes[0][col].legend(fontsize=8)
-    fig.suptitle(f"MoE permute / unpermute on {timed[0].gpu}" if timed else "MoE permute")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return harness.save_figure(
+        fig, path, f"MoE permute / unpermute on {timed[0].gpu}" if timed else "MoE permute", dpi=100
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="only the two smallest cases")
+    parser = harness.sweep_arguments(
+        __doc__.splitlines()[0], RESULTS, quick_help="only the two smallest cases"
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the CSV and plot")
     args = parser.parse_args(argv)
+    if args.replot:
+        print("wrote", harness.replot(args.replot, plot))
+        return
     from tqdm import tqdm
 
     started = time.perf_counter()

@@ -7,7 +7,6 @@ Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys_bench.harness``) and
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -199,24 +198,18 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
             ax.tick_params(axis="x", rotation=45)
             ax.grid(alpha=0.3)
         axes[0][col].legend()
-    fig.suptitle(f"SwiGLU on {timed[0].gpu}" if timed else "SwiGLU")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return harness.save_figure(
+        fig, path, f"SwiGLU on {timed[0].gpu}" if timed else "SwiGLU", dpi=110
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="only the two smallest shapes")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the CSV and plot")
-    parser.add_argument("--replot", type=Path, help="only redraw the plot of a results CSV")
+    parser = harness.sweep_arguments(
+        __doc__.splitlines()[0], RESULTS, quick_help="only the two smallest shapes"
+    )
     args = parser.parse_args(argv)
     if args.replot:
-        rows = [harness.Row.from_dict(r) for r in harness.read_csv(args.replot)]
-        print("wrote", plot(rows, args.replot.with_suffix(".png")))
+        print("wrote", harness.replot(args.replot, plot))
         return
     from tqdm import tqdm
 
