@@ -48,11 +48,22 @@ def markdown_table(rows: list[harness.Row]) -> str:
     return "\n".join(lines)
 
 
+def _committed(package, slug: str) -> list[dict]:
+    path = package.path / "benchmarks" / "results" / f"{slug}.csv"
+    return harness.read_csv(path) if path.exists() else []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "reports", help="report folder")
     parser.add_argument("--package", action="append", help="only these packages (repeatable)")
     parser.add_argument("--quick", action="store_true", help="smallest cases only")
+    parser.add_argument(
+        "--from-results",
+        metavar="GPU",
+        help="run nothing: compose the report from each package's committed "
+        "benchmarks/results/<GPU>.csv (e.g. h100)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -61,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "tools"))
     from llmsys_dev.workspace import select
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    device = "cuda" if torch.cuda.is_available() and not args.from_results else "cpu"
+    if device == "cpu" and not args.from_results and os.environ.get("TRITON_INTERPRET") != "1":
         print("note: no GPU and TRITON_INTERPRET is not 1; Triton rows use the eager fallback")
-    slug = harness.device_slug(device)
+    slug = args.from_results or harness.device_slug(device)
     out = args.out / slug
     out.mkdir(parents=True, exist_ok=True)
     packages = select(args.package)
@@ -78,27 +89,43 @@ def main(argv: list[str] | None = None) -> int:
                 skipped.append(f"{package.name}: no benchmarks/sweep.py")
                 bar.update()
                 continue
-            with tqdm(desc=f"  {package.name}", unit="case", leave=False) as inner:
-                rows = sweep.run(device, quick=args.quick or device == "cpu", progress=inner.update)
+            if args.from_results:
+                committed = package.path / "benchmarks" / "results" / f"{slug}.csv"
+                if not committed.exists():
+                    skipped.append(f"{package.name}: no committed results/{slug}.csv")
+                    bar.update()
+                    continue
+                rows = [harness.Row.from_dict(r) for r in harness.read_csv(committed)]
+            else:
+                with tqdm(desc=f"  {package.name}", unit="case", leave=False) as inner:
+                    quick = args.quick or device == "cpu"
+                    rows = sweep.run(device, quick=quick, progress=inner.update)
             csv_path = harness.write_csv(rows, out / f"{package.name}.csv")
             picture = ""
             if hasattr(sweep, "plot") and rows:
                 png = sweep.plot(rows, out / f"{package.name}.png")
                 picture = f"\n![{package.name}]({png.name})\n"
-            notes = sweep.skipped(device) if hasattr(sweep, "skipped") else []
+            notes = (
+                sweep.skipped(device) if hasattr(sweep, "skipped") and not args.from_results else []
+            )
             skipped += [f"{package.name}: {note}" for note in notes]
             sections.append(
                 f"## {package.name}\n\nCSV: `{csv_path.name}`\n{picture}\n{markdown_table(rows)}\n"
             )
             bar.update()
     elapsed = time.perf_counter() - started
+    measured_on = rows_device = harness.device_name(device)
+    if args.from_results:
+        rows_device = ", ".join(sorted({r["gpu"] for p in packages for r in _committed(p, slug)}))
+        measured_on = f"{rows_device} (composed from the committed results CSVs)"
     header = (
-        f"# llmsys benchmark report\n\nDevice: {harness.device_name(device)} | "
-        f"torch {torch.__version__} | {harness.timestamp()} | {elapsed:.0f} s\n\n"
+        f"# llmsys benchmark report\n\nDevice: {measured_on} | "
+        f"composed with torch {torch.__version__} | {harness.timestamp()} | {elapsed:.0f} s\n\n"
         "Times are medians (p50); `vs baseline` is the baseline provider's time over this one's "
-        "(higher is faster); the roofline is the measured copy bandwidth.\n"
+        "(higher is faster); the roofline is the measured copy bandwidth for memory-bound kernels "
+        "and the measured matmul rate for compute-bound ones.\n"
     )
-    if device == "cpu":
+    if device == "cpu" and not args.from_results:
         header += (
             "\n> CPU-only machine: the Triton kernels ran under the interpreter at tiny sizes. "
             "These rows show that every package's benchmark runs; they say nothing about speed.\n"
