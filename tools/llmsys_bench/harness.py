@@ -211,3 +211,56 @@ def save_figure(fig, path: Path, title: str, dpi: int = 110) -> Path:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def plot_vs_baseline(
+    rows: list[Row],
+    path: Path,
+    *,
+    title: str,
+    panel: Callable[[Row], tuple[str, str]],
+    lower: tuple[str, str] = ("throughput", "TB/s"),
+    ratio_targets: dict[str, float] | None = None,
+    lower_target: float | None = None,
+    dpi: int = 110,
+) -> Path:
+    """Two rows of panels, one column per ``panel(row)`` (e.g. (dtype, mode)), cases on x.
+
+    Top: time over the baseline provider's (1 / speedup_vs_baseline; log scale; lower is faster),
+    with a dashed line at ``ratio_targets[mode]``. Bottom: the row field ``lower[0]`` labelled
+    ``lower[1]``, with a dashed line at ``lower_target``. Host-cost rows are left out.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.mode != "host"]
+    panels = sorted({panel(r) for r in timed})
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
+    field, label = lower
+    for col, key in enumerate(panels):
+        subset = [r for r in timed if panel(r) == key]
+        xs = list(dict.fromkeys(r.x for r in subset))
+        for provider in dict.fromkeys(r.provider for r in subset):
+            by_x = {r.x: r for r in subset if r.provider == provider}
+            ratio = [1 / by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
+            values = [getattr(by_x[x], field) if x in by_x else None for x in xs]
+            axes[0][col].plot(xs, ratio, marker="o", label=provider)
+            axes[1][col].plot(xs, values, marker="o", label=provider)
+        target = (ratio_targets or {}).get(key[-1])
+        if target:
+            axes[0][col].axhline(target, color="gray", ls="--", lw=1)
+        if lower_target:
+            axes[1][col].axhline(lower_target, color="gray", ls="--", lw=1)
+        name = " ".join(key)
+        axes[0][col].set_title(
+            f"{name}: time / baseline" + (" (dashed: target)" if target else ""), fontsize=9
+        )
+        axes[1][col].set_title(f"{name}: {label}", fontsize=9)
+        axes[0][col].set_yscale("log")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.tick_params(axis="x", rotation=45, labelsize=7)
+            ax.grid(alpha=0.3)
+        axes[0][col].legend(fontsize=8)
+    return save_figure(fig, path, title, dpi=dpi)

@@ -253,34 +253,15 @@ def host_rows(permutes: dict, unpermutes: dict, stamp: str) -> list[harness.Row]
 
 
 def plot(rows: list[harness.Row], path: Path) -> Path:
-    """Per op and mode: time relative to eager (lower is better) and achieved TB/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    timed = [r for r in rows if r.mode != "host"]
-    panels = sorted({(r.kernel, r.mode) for r in timed})
-    fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 8), squeeze=False)
-    for col, (kernel, mode) in enumerate(panels):
-        subset = [r for r in timed if r.kernel == kernel and r.mode == mode]
-        xs = list(dict.fromkeys(r.x for r in subset))
-        for provider in dict.fromkeys(r.provider for r in subset):
-            by_x = {r.x: r for r in subset if r.provider == provider}
-            ratio = [1 / by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
-            frac = [by_x[x].roofline_fraction if x in by_x else None for x in xs]
-            axes[0][col].plot(xs, ratio, marker="o", label=provider)
-            axes[1][col].plot(xs, frac, marker="o", label=provider)
-        axes[0][col].set_title(f"{kernel} {mode}: time / eager")
-        axes[1][col].set_title(f"{kernel} {mode}: issue bytes / copy bandwidth")
-        axes[1][col].axhline(0.8, color="gray", linestyle="--", linewidth=1)
-        for ax in (axes[0][col], axes[1][col]):
-            ax.tick_params(axis="x", rotation=60, labelsize=7)
-            ax.grid(alpha=0.3)
-        axes[0][col].set_yscale("log")
-        axes[0][col].legend(fontsize=8)
-    return harness.save_figure(
-        fig, path, f"MoE permute / unpermute on {timed[0].gpu}" if timed else "MoE permute", dpi=100
+    """Per op and mode: time relative to eager (lower is better) and the issue's bandwidth."""
+    return harness.plot_vs_baseline(
+        rows,
+        path,
+        title=f"MoE permute / unpermute on {rows[0].gpu}" if rows else "MoE permute",
+        panel=lambda r: (r.kernel, r.mode),
+        lower=("roofline_fraction", "issue bytes / copy bandwidth"),
+        lower_target=0.8,
+        dpi=100,
     )
 
 

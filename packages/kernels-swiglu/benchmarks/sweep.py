@@ -171,35 +171,12 @@ def host_rows(impls: dict, gpu: str, stamp: str, rounds: int = 5) -> list[harnes
 
 def plot(rows: list[harness.Row], path: Path) -> Path:
     """Time relative to eager (lower is better) and achieved TB/s, per dtype and mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    timed = [r for r in rows if r.mode != "host"]
-    panels = sorted({(r.dtype, r.mode) for r in timed})
-    fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
-    for col, (dtype, mode) in enumerate(panels):
-        subset = [r for r in timed if r.dtype == dtype and r.mode == mode]
-        xs = list(dict.fromkeys(r.x for r in subset))
-        for provider in dict.fromkeys(r.provider for r in subset):
-            by_x = {r.x: r for r in subset if r.provider == provider}
-            ratio = [1 / by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
-            tbs = [by_x[x].throughput if x in by_x else None for x in xs]
-            axes[0][col].plot(xs, ratio, marker="o", label=provider)
-            axes[1][col].plot(xs, tbs, marker="o", label=provider)
-        target = {"fwd": 0.62, "fwd_bwd": 0.65}.get(mode)
-        if target:
-            axes[0][col].axhline(target, color="gray", ls="--", lw=1)
-        axes[0][col].set_yscale("log")
-        axes[0][col].set_title(f"{dtype} {mode}: time / eager (dashed: target)")
-        axes[1][col].set_title(f"{dtype} {mode}: TB/s")
-        for ax in (axes[0][col], axes[1][col]):
-            ax.tick_params(axis="x", rotation=45)
-            ax.grid(alpha=0.3)
-        axes[0][col].legend()
-    return harness.save_figure(
-        fig, path, f"SwiGLU on {timed[0].gpu}" if timed else "SwiGLU", dpi=110
+    return harness.plot_vs_baseline(
+        rows,
+        path,
+        title=f"SwiGLU on {rows[0].gpu}" if rows else "SwiGLU",
+        panel=lambda r: (r.dtype, r.mode),
+        ratio_targets={"fwd": 0.62, "fwd_bwd": 0.65},
     )
 
 
