@@ -155,8 +155,13 @@ def check_torch_inputs(q, k, v, is_causal, scale, op: str = "FlashAttention2Torc
         raise ValueError(
             f"{op}: `v` must have the shape of `k` {tuple(k.shape)}, got {tuple(v.shape)}"
         )
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"{op}: `is_causal` must be a bool, got {type(is_causal).__name__}")
+    check_causal_and_scale(op, is_causal, scale, "is_causal")
+
+
+def check_causal_and_scale(op: str, causal, scale, causal_name: str) -> None:
+    """``causal`` must be a bool and ``scale`` a finite float or None (errors name the argument)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: `{causal_name}` must be a bool, got {type(causal).__name__}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"{op}: `scale` must be a float or None, got {type(scale).__name__}")
     if scale is not None and not math.isfinite(scale):

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from . import kernels
-from .flash_torch import flash_backward_torch, flash_forward_torch
+from .flash_torch import check_causal_and_scale, flash_backward_torch, flash_forward_torch
 
 NAMESPACE = "llmsys"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -83,12 +83,7 @@ def check_inputs(op: str, q, k, v, causal, scale, causal_name: str = "causal") -
         raise ValueError(
             f"{op}: `q` head_dim must be between 1 and {MAX_HEAD_DIM}, got {q.shape[-1]}"
         )
-    if not isinstance(causal, bool):
-        raise TypeError(f"{op}: `{causal_name}` must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"{op}: `scale` must be a float or None, got {type(scale).__name__}")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"{op}: `scale` must be finite, got {scale}")
+    check_causal_and_scale(op, causal, scale, causal_name)
 
 
 def check_grad_out(op: str, grad_out, out) -> None:
