@@ -48,7 +48,36 @@ def test_specialization_key_follows_triton():
     assert _key(1) == (True, False, True)
     assert _key(32) == (False, True, True)
     assert _key(2**31) == (False, True, False)
-    assert _key(2.5) == (float, 2.5)
+    assert _key(2.5) is _key(0.125) is float  # never specialized: one entry for all values
+    assert _key(None) == (type(None), None)
+
+
+@triton.jit
+def add_rows(x_ptr, out_ptr, n_cols, stride, BLOCK: tl.constexpr):
+    """out[row, :] = x[row, :] + row, a 2-D grid of (rows, column blocks)."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    values = tl.load(x_ptr + row * stride + cols, mask=mask)
+    tl.store(out_ptr + row * stride + cols, values + row, mask=mask)
+
+
+@pytest.mark.parametrize("num_stages", [None, 2])
+def test_two_dimensional_grid_and_stages(num_stages, device):
+    x = torch.randn(5, 70, device=device)
+    for _ in range(2):  # the first call compiles, the second takes the cached kernel
+        out = torch.full_like(x, float("nan"))
+        grid = (x.shape[0], triton.cdiv(x.shape[1], 32))
+        args = (x, out, x.shape[1], x.stride(0))
+        launch(add_rows, grid, args, {"BLOCK": 32}, num_warps=2, num_stages=num_stages)
+        torch.testing.assert_close(out, x + torch.arange(5.0, device=device)[:, None])
+
+
+@pytest.mark.parametrize("grid", [(), (1, 1, 1, 1)])
+def test_grid_of_more_than_three_sizes_is_refused(grid):
+    x = torch.randn(4)
+    with pytest.raises(ValueError, match="grid"):
+        launch(scale_add, grid, (x, x, 4, 1.0), {"BLOCK": 4})
 
 
 def test_cpu_kernels_run_under_the_interpreter(device):

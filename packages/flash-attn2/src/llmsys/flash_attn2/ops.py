@@ -20,6 +20,8 @@ import math
 import torch
 import triton
 
+from llmsys.triton_launch import launch, runs_under_interpreter
+
 from . import kernels
 from .flash_torch import check_causal_and_scale, flash_backward_torch, flash_forward_torch
 
@@ -38,8 +40,8 @@ _lib.define(
     "bool causal, float scale) -> (Tensor, Tensor, Tensor)"
 )
 
-# Under TRITON_INTERPRET=1 `triton.jit` returns an interpreter object that runs on CPU tensors.
-CPU_RUNS_TRITON = type(kernels.attn_fwd_kernel).__name__ == "InterpretedFunction"
+# Under TRITON_INTERPRET=1 the kernels run on CPU tensors.
+CPU_RUNS_TRITON = runs_under_interpreter(kernels.attn_fwd_kernel)
 
 
 # --- input checks --------------------------------------------------------------------------------
@@ -152,12 +154,16 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _common_meta(q: torch.Tensor) -> dict:
-    """The constexpr arguments every attention kernel takes."""
+def _meta(q: torch.Tensor, config: TileConfig | None, causal: bool) -> dict:
+    """The constexpr arguments of an attention kernel, in its signature's order."""
     d = q.shape[-1]
-    return {
-        "HEAD_DIM": d,
-        "BLOCK_D": block_d(d),
+    meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d)}
+    if config is None:  # the preprocess kernel
+        return meta | {"BLOCK_M": PREPROCESS_BLOCK_M}
+    return meta | {
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "CAUSAL": causal,
         "DOT_PRECISION": DOT_PRECISION,
         # Triton's interpreter multiplies bfloat16 dot operands as integers: upcast them there.
         "DOT_UPCAST": not q.is_cuda and q.dtype == torch.bfloat16,
@@ -173,18 +179,6 @@ def _rows_fit_int32(*tensors: torch.Tensor) -> bool:
     return all(
         t.shape[-2] * abs(t.stride(-2)) + t.shape[-1] * abs(t.stride(-1)) < 2**31 for t in tensors
     )
-
-
-def _device_guard(t: torch.Tensor):
-    return torch.cuda.device(t.device) if t.is_cuda else _NullContext()
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _fallback_forward(q, k, v, causal, scale):
@@ -238,15 +232,13 @@ def flash_attn2_fwd_impl(
         if not _rows_fit_int32(q4, k4, v4):
             q4, k4, v4 = q4.contiguous(), k4.contiguous(), v4.contiguous()
         config = tile_configs(d, q.dtype)[0]
-        grid = (batch * heads, triton.cdiv(n_q, config.block_m))
-        with _device_guard(q):
-            kernels.attn_fwd_kernel[grid](
-                q4, k4, v4, out, lse,
-                *q4.stride(), *k4.stride(), *v4.stride(), *out.stride(),
-                heads, heads // kv_heads, n_q, n_k, scale,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
-                num_warps=config.num_warps, num_stages=config.num_stages, **_common_meta(q4),
-            )  # fmt: skip
+        launch(
+            kernels.attn_fwd_kernel,
+            (batch * heads, triton.cdiv(n_q, config.block_m)),
+            (q4, k4, v4, out, lse, *q4.stride(), *k4.stride(), *v4.stride(), *out.stride(),
+             heads, heads // kv_heads, n_q, n_k, float(scale)),
+            _meta(q4, config, causal), config.num_warps, config.num_stages,
+        )  # fmt: skip
     if q.dim() == 3:
         return out.squeeze(1), lse.squeeze(1)
     return out, lse
@@ -296,28 +288,26 @@ def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> Non
     group = heads // kv_heads
     _, dkdv_config, dq_config = tile_configs(d, q4.dtype)
     delta = _alloc((batch, heads, n_q), torch.float32, q4.device)
-    meta = _common_meta(q4)
-    with _device_guard(q4):
-        kernels.attn_bwd_preprocess_kernel[(batch * heads, triton.cdiv(n_q, PREPROCESS_BLOCK_M))](
-            o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_q,
-            HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_M=PREPROCESS_BLOCK_M,
-        )  # fmt: skip
-        grid = (batch * kv_heads, triton.cdiv(n_k, dkdv_config.block_n))
-        kernels.attn_bwd_dkdv_kernel[grid](
-            q4, k4, v4, do4, lse, delta, dk, dv,
-            *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dk.stride(), *dv.stride(),
-            kv_heads, group, n_q, n_k, scale,
-            BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, CAUSAL=causal,
-            num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages, **meta,
-        )  # fmt: skip
-        grid = (batch * heads, triton.cdiv(n_q, dq_config.block_m))
-        kernels.attn_bwd_dq_kernel[grid](
-            q4, k4, v4, do4, lse, delta, dq,
-            *q4.stride(), *k4.stride(), *v4.stride(), *do4.stride(), *dq.stride(),
-            heads, group, n_q, n_k, scale,
-            BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, CAUSAL=causal,
-            num_warps=dq_config.num_warps, num_stages=dq_config.num_stages, **meta,
-        )  # fmt: skip
+    launch(
+        kernels.attn_bwd_preprocess_kernel,
+        (batch * heads, triton.cdiv(n_q, PREPROCESS_BLOCK_M)),
+        (o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_q),
+        _meta(q4, None, causal),
+    )  # fmt: skip
+    launch(
+        kernels.attn_bwd_dkdv_kernel,
+        (batch * kv_heads, triton.cdiv(n_k, dkdv_config.block_n)),
+        (q4, k4, v4, do4, lse, delta, dk, dv, *q4.stride(), *k4.stride(), *v4.stride(),
+         *do4.stride(), *dk.stride(), *dv.stride(), kv_heads, group, n_q, n_k, float(scale)),
+        _meta(q4, dkdv_config, causal), dkdv_config.num_warps, dkdv_config.num_stages,
+    )  # fmt: skip
+    launch(
+        kernels.attn_bwd_dq_kernel,
+        (batch * heads, triton.cdiv(n_q, dq_config.block_m)),
+        (q4, k4, v4, do4, lse, delta, dq, *q4.stride(), *k4.stride(), *v4.stride(),
+         *do4.stride(), *dq.stride(), heads, group, n_q, n_k, float(scale)),
+        _meta(q4, dq_config, causal), dq_config.num_warps, dq_config.num_stages,
+    )  # fmt: skip
 
 
 # --- registration --------------------------------------------------------------------------------

@@ -2,6 +2,6 @@
 
 from .launcher import launch, runs_under_interpreter
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["__version__", "launch", "runs_under_interpreter"]

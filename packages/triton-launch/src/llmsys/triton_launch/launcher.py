@@ -25,6 +25,8 @@ def _key(value) -> object:
         return value.dtype, value.data_ptr() % 16 == 0
     if type(value) is int:
         return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
+    if type(value) is float:  # floats are never specialized: one entry for every value
+        return float
     return type(value), value
 
 
@@ -35,25 +37,37 @@ def _launch_hooks_installed() -> bool:
     return bool(getattr(hook, "calls", hook))
 
 
-def launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int = 4) -> None:
-    """Run ``kernel[(grid,)](*args, **constexprs, num_warps=num_warps)``, fast after the first.
+def launch(
+    kernel,
+    grid: int | tuple[int, ...],
+    args: tuple,
+    constexprs: dict,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> None:
+    """Run ``kernel[grid](*args, **constexprs, num_warps=.., num_stages=..)``, fast after the first.
 
     Args:
         kernel: a ``@triton.jit`` function.
-        grid: the number of programs of a 1-D grid; 0 launches nothing.
+        grid: the number of programs of a 1-D grid, or a tuple of up to three sizes; a size of 0
+            launches nothing.
         args: the kernel's runtime arguments in signature order; the first must be a tensor
             (its device is the launch device).
         constexprs: the ``tl.constexpr`` arguments that follow them, in signature order.
         num_warps: warps per program.
+        num_stages: software-pipelining stages of the kernel's loops; None: Triton's default.
 
     CPU tensors (under ``TRITON_INTERPRET=1``), a device other than the current one, and
     installed Triton launch hooks (profilers) take the ordinary launch.
     """
-    if grid == 0:
+    grid = (grid,) if type(grid) is int else tuple(grid)
+    if not 1 <= len(grid) <= 3:
+        raise ValueError(f"launch: `grid` must be an int or 1 to 3 ints, got {grid}")
+    if 0 in grid:
         return
     device = args[0].get_device()  # -1 on CPU
     if device < 0:  # CPU tensors: the interpreter (TRITON_INTERPRET=1)
-        kernel[(grid,)](*args, **constexprs)
+        kernel[grid](*args, **constexprs)
         return
     # Tensors are inlined rather than sent through _key: a function call per argument is a
     # measurable part of a 15 us call.
@@ -61,6 +75,7 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int = 4)
         kernel,
         device,
         num_warps,
+        num_stages,
         *[
             (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else _key(a)
             for a in args
@@ -70,15 +85,19 @@ def launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int = 4)
     compiled = _compiled.get(key)
     if compiled is None or device != torch.cuda.current_device() or _launch_hooks_installed():
         # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
+        options = {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
         with torch.cuda.device(device):
-            compiled = kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
+            compiled = kernel[grid](*args, **constexprs, **options)
         if not runs_under_interpreter(kernel):
             _compiled[key] = compiled
         return
+    grid_x, grid_y, grid_z = grid + (1,) * (3 - len(grid))
     compiled.run(
-        grid,
-        1,
-        1,
+        grid_x,
+        grid_y,
+        grid_z,
         torch._C._cuda_getCurrentRawStream(device),
         compiled.function,
         compiled.packed_metadata,
