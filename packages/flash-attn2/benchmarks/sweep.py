@@ -13,6 +13,7 @@ counting causal forward as ``2 * B * H * N^2 * d`` and backward as 2.5x that) an
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from pathlib import Path
@@ -51,15 +52,16 @@ def default_grid() -> list[tuple]:
     return bf16 + small_d + fp32
 
 
-def cases(device: str, quick: bool, full: bool) -> list[tuple]:
+def cases(device: str, quick: bool, full: bool, dtype: torch.dtype | None = None) -> list[tuple]:
+    """(shape, dtype) to time; ``dtype`` keeps only that dtype's cases."""
     if device != "cuda":
-        return [((1, 1, 64, 16), torch.float32), ((1, 2, 128, 32), torch.float32)][
-            : 1 if quick else 2
-        ]
-    multi = [(shape, torch.bfloat16) for shape in MULTI_HEAD]
-    if quick:
-        return multi
-    return multi + (full_grid() if full else default_grid())
+        found = [((1, 1, 64, 16), torch.float32), ((1, 2, 128, 32), torch.float32)]
+        found = found[: 1 if quick else 2]
+    else:
+        found = [(shape, torch.bfloat16) for shape in MULTI_HEAD]
+        if not quick:
+            found += full_grid() if full else default_grid()
+    return [case for case in found if dtype in (None, case[1])]
 
 
 # --- providers -----------------------------------------------------------------------------------
@@ -88,13 +90,26 @@ def ours(q, k, v):
     return fa.flash_attention(q, k, v, causal=True)
 
 
+@functools.cache
+def compiled_naive_attention():
+    """``torch.compile``'d naive attention, compiled once per dtype for every sequence length.
+
+    ``dynamic=True``: one compile serves the whole grid (a static compile per cell would take
+    most of the sweep's time; the naive graph is cuBLAS matmuls around a memory-bound softmax,
+    where static shapes gain little). The recompile limit is raised so that a recompile never
+    falls back to eager silently.
+    """
+    torch._dynamo.config.recompile_limit = 64
+    return torch.compile(naive_attention, dynamic=True)
+
+
 def providers(device: str, with_compile: bool) -> dict:
     found = {"naive": naive_attention}
     if device == "cuda":
         from torch.nn.attention import SDPBackend
 
         if with_compile:
-            found["compile"] = torch.compile(naive_attention)
+            found["compile"] = compiled_naive_attention()
         found["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
         found["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     found["ours"] = ours
@@ -182,12 +197,12 @@ def our_config(shape, dtype) -> str:
     )
 
 
-def iter_rows(device: str, quick: bool, full: bool):
+def iter_rows(device: str, quick: bool, full: bool, only_dtype: torch.dtype | None = None):
     """Rows case by case; speed-up is SDPA flash's time (else naive's) over the time."""
     gpu, stamp = harness.device_name(device), harness.timestamp()
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 naive attention gets TF32 too
-    for shape, dtype in cases(device, quick, full):
+    for shape, dtype in cases(device, quick, full, only_dtype):
         with_compile = full or shape == LEADERBOARD
         timings = {
             name: time_provider(fn, shape, dtype, device)
@@ -301,17 +316,23 @@ def main(argv: list[str] | None = None) -> None:
         __doc__.splitlines()[0], RESULTS, quick_help="only the multi-head cases"
     )
     parser.add_argument("--full", action="store_true", help="the whole assignment grid (long)")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="only this dtype's cases (a full run split in two; merge the CSVs, then --replot)",
+    )
     args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     if args.replot:
         print("wrote", harness.replot(args.replot, plot))
         return
     from tqdm import tqdm
 
-    total = len(cases(args.device, args.quick, args.full))
+    total = len(cases(args.device, args.quick, args.full, dtype))
     slug = harness.device_slug(args.device)
     rows = []
     with tqdm(total=total, desc="attention sweep", unit="case") as bar:
-        for case_rows in iter_rows(args.device, args.quick, args.full):
+        for case_rows in iter_rows(args.device, args.quick, args.full, dtype):
             rows += case_rows
             harness.write_csv(rows, args.out / f"{slug}.csv")  # a cut-short run keeps its rows
             bar.update()

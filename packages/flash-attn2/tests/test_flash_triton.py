@@ -88,8 +88,15 @@ def test_large_inputs_stay_finite_and_accurate(input_scale, device, nan_outputs)
     )
 
 
-def test_explicit_scale(device):
-    check_against_spec((1, 1, 21, 16), (1, 1, 21, 16), True, torch.float32, device, scale=0.7)
+@pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
+@pytest.mark.parametrize("scale", [0.7, -0.9, 0.0])
+def test_explicit_scale(scale, causal, device, nan_outputs, monkeypatch):
+    # 150 keys: unmasked tiles too, where a positive scale is folded into the exponent's FMA;
+    # scores spread over hundreds, so a row max taken on the wrong side would overflow exp2.
+    # Full-precision fp32 dots (not TF32) so that only the kernel's logic is under test.
+    monkeypatch.setattr(ops, "DOT_PRECISION", "ieee")
+    shape = (1, 1, 150, 16)
+    check_against_spec(shape, shape, causal, torch.float32, device, scale, input_scale=3.0)
 
 
 def test_three_dim_inputs_equal_one_head(device):

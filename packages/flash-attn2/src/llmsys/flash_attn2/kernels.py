@@ -17,12 +17,12 @@ Forward, one program per (batch * head, tile of BLOCK_M queries):
 
 Backward, with P = exp2(s - L * log2(e)) recomputed tile by tile from L:
 
-    D = rowsum(dO * O)                                                  attn_bwd_preprocess_kernel
+    dQ, one program per (batch * head, tile of BLOCK_M queries), looping over key tiles; it first
+    computes its rows' D = rowsum(dO * O) and stores them for the next kernel:
+        dS = P * (dO v^T - D);  dQ += scale * dS k                          attn_bwd_dq_kernel
     dK/dV, one program per (batch * kv head, tile of BLOCK_N keys); it loops over the GROUP query
     heads of its kv head and their query tiles, accumulating in fp32 registers:
         dV += P^T dO;  dS = P * (dO v^T - D);  dK += scale * dS^T q        attn_bwd_dkdv_kernel
-    dQ, one program per (batch * head, tile of BLOCK_M queries), looping over key tiles:
-        dQ += scale * dS k                                                  attn_bwd_dq_kernel
 
 Every output element is written by exactly one program and summed in a fixed order, so two runs
 give bitwise-identical gradients. The price is that s and dS are computed twice (7 tile products
@@ -103,21 +103,32 @@ def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_
 def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, offs_m, offs_d,
                N_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Online softmax over the key tiles [lo, hi); MASK: these tiles need score masks."""
+               FOLD_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Online softmax over the key tiles [lo, hi); MASK: these tiles need score masks.
+
+    FOLD_SCALE (a positive scale): the row max is taken on the raw scores and scaled once per
+    row, and ``s * scale - m`` is a single FMA per score instead of a multiply and a subtract.
+    """
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(k_ptrs + start_n * stride_kn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
         v = _load_rows(v_ptrs + start_n * stride_vn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
-        s = _dot(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N)
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST)  # (BLOCK_M, BLOCK_N), raw
         if MASK:
             keep = offs_n[None, :] < N_K
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(keep, s, MASKED_SCORE_LOG2)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
+            s = tl.where(keep, s * qk_scale, MASKED_SCORE_LOG2)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        elif FOLD_SCALE:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+        else:
+            s = s * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
@@ -139,6 +150,7 @@ def attn_fwd_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     # Causal tiles at the end of the sequence do the most work: launch them first.
@@ -168,10 +180,10 @@ def attn_fwd_kernel(
         full_hi = N_K // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn,
                                offs_m, offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-                               CAUSAL, DOT_PRECISION, DOT_UPCAST)
+                               CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, full_hi, hi, stride_kn, stride_vn,
                                offs_m, offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                               CAUSAL, DOT_PRECISION, DOT_UPCAST)
+                               CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST)
 
     out = acc / l_i[:, None]
     o_ptrs = _tile_ptrs(Out + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od)
@@ -181,28 +193,6 @@ def attn_fwd_kernel(
 
 
 # --- backward ------------------------------------------------------------------------------------
-
-
-@triton.jit(do_not_specialize=["N_HEADS", "N_Q"])
-def attn_bwd_preprocess_kernel(
-    Out, DO, DELTA,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    N_HEADS, N_Q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """D = rowsum(dO * O) in fp32, one program per (batch * head, tile of BLOCK_M rows)."""
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // N_HEADS).to(tl.int64)
-    h = (pid_bh % N_HEADS).to(tl.int64)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    o_ptrs = _tile_ptrs(Out + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od)
-    do_ptrs = _tile_ptrs(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom,
-                         stride_dod)
-    o = _load_rows(o_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-    do = _load_rows(do_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-    tl.store(DELTA + (b * N_HEADS + h) * N_Q + offs_m, tl.sum(o * do, 1), mask=offs_m < N_Q)
 
 
 @triton.jit
@@ -328,10 +318,11 @@ def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_v
 
 @triton.jit(do_not_specialize=_SIZES)
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, Out, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     N_HEADS, GROUP, N_Q, N_K, sm_scale,
@@ -353,11 +344,15 @@ def attn_bwd_dq_kernel(
                          stride_dod)
     k_ptrs = _tile_ptrs(K + b * stride_kb + h_kv * stride_kh, offs_n, offs_d, stride_kn, stride_kd)
     v_ptrs = _tile_ptrs(V + b * stride_vb + h_kv * stride_vh, offs_n, offs_d, stride_vn, stride_vd)
+    o_ptrs = _tile_ptrs(Out + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od)
     q = _load_rows(q_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True)
     do = _load_rows(do_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True)
+    o = _load_rows(o_ptrs, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, True)
+    # D = rowsum(dO * O): these rows' share, stored for the dK/dV kernel that runs next.
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     row = (b * N_HEADS + h) * N_Q + offs_m
+    tl.store(DELTA + row, delta, mask=offs_m < N_Q)
     lse = tl.load(LSE + row, mask=offs_m < N_Q, other=0.0) * LOG2E
-    delta = tl.load(DELTA + row, mask=offs_m < N_Q, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E

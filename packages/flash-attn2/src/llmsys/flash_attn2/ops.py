@@ -30,6 +30,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 # fp32 inputs use TF32 tensor-core dots ("fp32 = tf32 dots"); 16-bit inputs ignore this setting.
 DOT_PRECISION = "tf32"
+# A positive scale is folded into one FMA per score in the forward (kernels._fwd_inner).
+FOLD_SCALE = True
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 _lib.define(
@@ -143,9 +145,6 @@ def tile_configs(head_dim: int, dtype: torch.dtype) -> tuple[TileConfig, TileCon
     return table[block_d(head_dim)]
 
 
-PREPROCESS_BLOCK_M = 64
-
-
 # --- launchers -----------------------------------------------------------------------------------
 
 
@@ -154,13 +153,12 @@ def _alloc(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _meta(q: torch.Tensor, config: TileConfig | None, causal: bool) -> dict:
+def _meta(q: torch.Tensor, config: TileConfig, causal: bool) -> dict:
     """The constexpr arguments of an attention kernel, in its signature's order."""
     d = q.shape[-1]
-    meta = {"HEAD_DIM": d, "BLOCK_D": block_d(d)}
-    if config is None:  # the preprocess kernel
-        return meta | {"BLOCK_M": PREPROCESS_BLOCK_M}
-    return meta | {
+    return {
+        "HEAD_DIM": d,
+        "BLOCK_D": block_d(d),
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "CAUSAL": causal,
@@ -237,7 +235,8 @@ def flash_attn2_fwd_impl(
             (batch * heads, triton.cdiv(n_q, config.block_m)),
             (q4, k4, v4, out, lse, *q4.stride(), *k4.stride(), *v4.stride(), *out.stride(),
              heads, heads // kv_heads, n_q, n_k, float(scale)),
-            _meta(q4, config, causal), config.num_warps, config.num_stages,
+            _meta(q4, config, causal) | {"FOLD_SCALE": FOLD_SCALE and scale > 0},
+            config.num_warps, config.num_stages,
         )  # fmt: skip
     if q.dim() == 3:
         return out.squeeze(1), lse.squeeze(1)
@@ -287,12 +286,13 @@ def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> Non
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     group = heads // kv_heads
     _, dkdv_config, dq_config = tile_configs(d, q4.dtype)
-    delta = _alloc((batch, heads, n_q), torch.float32, q4.device)
+    delta = _alloc((batch, heads, n_q), torch.float32, q4.device)  # written by the dQ kernel
     launch(
-        kernels.attn_bwd_preprocess_kernel,
-        (batch * heads, triton.cdiv(n_q, PREPROCESS_BLOCK_M)),
-        (o4, do4, delta, *o4.stride(), *do4.stride(), heads, n_q),
-        _meta(q4, None, causal),
+        kernels.attn_bwd_dq_kernel,
+        (batch * heads, triton.cdiv(n_q, dq_config.block_m)),
+        (q4, k4, v4, o4, do4, lse, delta, dq, *q4.stride(), *k4.stride(), *v4.stride(),
+         *o4.stride(), *do4.stride(), *dq.stride(), heads, group, n_q, n_k, float(scale)),
+        _meta(q4, dq_config, causal), dq_config.num_warps, dq_config.num_stages,
     )  # fmt: skip
     launch(
         kernels.attn_bwd_dkdv_kernel,
@@ -300,13 +300,6 @@ def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> Non
         (q4, k4, v4, do4, lse, delta, dk, dv, *q4.stride(), *k4.stride(), *v4.stride(),
          *do4.stride(), *dk.stride(), *dv.stride(), kv_heads, group, n_q, n_k, float(scale)),
         _meta(q4, dkdv_config, causal), dkdv_config.num_warps, dkdv_config.num_stages,
-    )  # fmt: skip
-    launch(
-        kernels.attn_bwd_dq_kernel,
-        (batch * heads, triton.cdiv(n_q, dq_config.block_m)),
-        (q4, k4, v4, do4, lse, delta, dq, *q4.stride(), *k4.stride(), *v4.stride(),
-         *do4.stride(), *dq.stride(), heads, group, n_q, n_k, float(scale)),
-        _meta(q4, dq_config, causal), dq_config.num_warps, dq_config.num_stages,
     )  # fmt: skip
 
 
