@@ -120,13 +120,13 @@ def block_d(head_dim: int) -> int:
 
 # (forward, dK/dV, dQ) by padded head dim, for 16-bit inputs. Candidates were compiled for sm_90
 # first (registers, spills, shared memory; an H100 block gets at most 227 KiB) and then timed on an
-# H100 at 1x16x16384x64 and 4x16x4096x128, causal bf16, by benchmarks/explore.py; the fastest of
-# each kernel is here (benchmarks/NOTES.md has every measurement). d = 16 and 32 use d = 64's tiles.
+# H100 at 1x16x16384x{32,64} and 4x16x4096x128, causal bf16, by benchmarks/explore.py; the fastest
+# of each kernel is here (benchmarks/NOTES.md has every measurement). d = 16 uses d = 32's tiles.
 _CONFIGS_16BIT = {
-    16: (TileConfig(128, 64, 4, 3), TileConfig(32, 64, 4, 4), TileConfig(64, 64, 4, 3)),
-    32: (TileConfig(128, 64, 4, 3), TileConfig(32, 64, 4, 4), TileConfig(64, 64, 4, 3)),
+    16: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
+    32: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
     64: (TileConfig(128, 64, 4, 3), TileConfig(32, 64, 4, 4), TileConfig(64, 64, 4, 3)),
-    128: (TileConfig(128, 64, 8, 3), TileConfig(32, 128, 8, 3), TileConfig(64, 32, 4, 4)),
+    128: (TileConfig(128, 64, 8, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2)),
     256: (TileConfig(64, 64, 8, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
 }
 # float32 tiles take twice the registers and shared memory: smaller tiles, fewer stages.
