@@ -83,10 +83,14 @@ def time_modes(fn, shape) -> dict[str, float]:
 
     q, k, v, grad_out = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    with torch.no_grad():
-        fwd = triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=200)
+    with torch.no_grad():  # medians (do_bench's default is the mean)
+        fwd = triton.testing.do_bench(lambda: fn(q, k, v), warmup=25, rep=200, quantiles=[0.5])
     both = triton.testing.do_bench(
-        lambda: fn(*leaves).backward(grad_out), warmup=25, rep=200, grad_to_none=leaves
+        lambda: fn(*leaves).backward(grad_out),
+        warmup=25,
+        rep=200,
+        grad_to_none=leaves,
+        quantiles=[0.5],
     )
     with torch.no_grad():  # host time of a forward call: enqueue 50 without waiting
         torch.cuda.synchronize()

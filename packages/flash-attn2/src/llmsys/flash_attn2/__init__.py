@@ -9,7 +9,7 @@ from .functional import FlashAttention2Triton, flash_attention
 from .modules import FlashSelfAttention
 from .reference import attention_reference
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FlashAttention2Torch",

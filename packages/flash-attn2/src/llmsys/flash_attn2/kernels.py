@@ -1,4 +1,4 @@
-"""Triton kernels for FlashAttention-2: one fused forward, a backward of three kernels, no atomics.
+"""Triton kernels for FlashAttention-2: one fused forward, a backward of two kernels, no atomics.
 
 Layout: q ``(B, H, N_Q, D)``, k and v ``(B, H_KV, N_K, D)`` with ``H = GROUP * H_KV``; query head
 ``h`` reads key/value head ``h // GROUP`` in place (grouped-query attention, nothing expanded).
