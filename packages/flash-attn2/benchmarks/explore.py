@@ -26,26 +26,25 @@ CASES = {32: (1, 16, 16384, 32), 64: (1, 16, 16384, 64), 128: (4, 16, 4096, 128)
 # --smoke: the logic on CPU, no timing
 SMOKE_CASES = {32: (1, 1, 33, 32), 64: (1, 2, 48, 64), 128: (1, 1, 40, 128)}
 DEVICE = "cuda"
-# (block_m, block_n, num_warps, num_stages) per kernel and head dim; the first is the default
-# (ops' table). Rounds 2 and 3 (NOTES.md section 5) keep the forward at d = 64 and 128 and try
-# shapes around the backward winners of round 1 (section 2), after the forward and D changed.
+# (block_m, block_n, num_warps, num_stages[, head_major]) per kernel and head dim; the first is
+# the default (ops' table). Round 4 (NOTES.md section 5) tries each kernel's best shapes of
+# rounds 1-3 in both program orders (head_major True: all tiles of a head, then the next head).
 CANDIDATES = {
     32: {
-        "fwd": [(128, 64, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
-        "dkdv": [(32, 64, 4, 4), (64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3)],
-        "dq": [(64, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)],
+        "fwd": [(128, 128, 4, 3), (128, 128, 4, 3, True)],
+        "dkdv": [(32, 128, 4, 3), (32, 128, 4, 3, True), (64, 128, 4, 3, True)],
+        "dq": [(64, 64, 4, 3), (64, 64, 4, 3, True)],
     },
     64: {
-        "fwd": [(128, 64, 4, 3)],
-        "dkdv": [(32, 64, 4, 4), (64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 5),
-                 (16, 64, 4, 3)],
-        "dq": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 3), (128, 64, 8, 2)],
+        "fwd": [(128, 64, 4, 3), (128, 64, 4, 3, True)],
+        "dkdv": [(64, 64, 4, 3, True), (64, 64, 4, 3), (32, 64, 4, 4), (32, 64, 4, 4, True),
+                 (64, 64, 4, 2, True)],
+        "dq": [(64, 64, 4, 3), (64, 64, 4, 3, True), (64, 128, 4, 3), (64, 128, 4, 3, True)],
     },
     128: {
-        "fwd": [(128, 64, 8, 3)],
-        "dkdv": [(32, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 4), (16, 64, 4, 3), (32, 128, 8, 3),
-                 (64, 64, 8, 3)],
-        "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 4), (128, 64, 8, 2)],
+        "fwd": [(128, 64, 8, 3, True), (128, 64, 8, 3)],
+        "dkdv": [(32, 64, 4, 3), (32, 64, 4, 3, True), (32, 64, 4, 2), (32, 64, 4, 2, True)],
+        "dq": [(64, 64, 4, 2, True), (64, 64, 4, 2)],
     },
 }  # fmt: skip
 KERNELS = ("fwd", "dkdv", "dq")

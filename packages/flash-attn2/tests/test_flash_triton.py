@@ -128,6 +128,11 @@ def test_causal_first_row_sees_only_the_first_key(device):
 SMALL_TILES = {
     "16x16": (ops.TileConfig(16, 16), ops.TileConfig(16, 16), ops.TileConfig(16, 16)),
     "32x16": (ops.TileConfig(32, 16), ops.TileConfig(16, 32), ops.TileConfig(32, 16)),
+    "16x16, head-major": (
+        ops.TileConfig(16, 16, head_major=True),
+        ops.TileConfig(16, 16, head_major=True),
+        ops.TileConfig(16, 16, head_major=True),
+    ),
     "16x32": (ops.TileConfig(16, 32), ops.TileConfig(32, 16), ops.TileConfig(16, 32)),
 }
 

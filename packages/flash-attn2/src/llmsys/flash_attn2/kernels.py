@@ -64,6 +64,27 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(n_rows, BLOCK: tl.constexpr, REVERSED: tl.constexpr, HEAD_MAJOR: tl.constexpr):
+    """(batch * head, first row of the tile) of this program in a 1-D grid of heads x tiles.
+
+    HEAD_MAJOR: the tiles of one head are consecutive programs, so the programs running at the
+    same time share one head's k and v (or q and dO) in L2; otherwise one tile of every head is
+    handed out before the next tile. Which is faster depends on the kernel and head dim (tile
+    tables in ops.py). REVERSED hands out the last tile first.
+    """
+    n_tiles = tl.cdiv(n_rows, BLOCK)
+    pid = tl.program_id(0)
+    if HEAD_MAJOR:
+        head, tile = pid // n_tiles, pid % n_tiles
+    else:
+        n_heads = tl.num_programs(0) // n_tiles
+        head, tile = pid % n_heads, pid // n_heads
+    if REVERSED:
+        tile = n_tiles - 1 - tile
+    return head, tile * BLOCK
+
+
+@triton.jit
 def _tile_ptrs(base, rows, offs_d, stride_row, stride_d):
     """Pointers to the (len(rows), BLOCK_D) tile of a (seq, dim) matrix at ``base``."""
     return base + rows[:, None] * stride_row + offs_d[None, :] * stride_d
@@ -150,11 +171,10 @@ def attn_fwd_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
     # Causal tiles at the end of the sequence do the most work: launch them first.
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    pid_bh, start_m = _program_tile(N_Q, BLOCK_M, True, HEAD_MAJOR)
     b = (pid_bh // N_HEADS).to(tl.int64)
     h = pid_bh % N_HEADS
     h_kv = (h // GROUP).to(tl.int64)
@@ -237,9 +257,10 @@ def attn_bwd_dkdv_kernel(
     N_KV_HEADS, GROUP, N_Q, N_K, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    start_n = tl.program_id(1) * BLOCK_N  # causal: the first key tiles do the most work
+    # Causal: the first key tiles do the most work, and they come first.
+    pid_bh, start_n = _program_tile(N_K, BLOCK_N, False, HEAD_MAJOR)
     b = (pid_bh // N_KV_HEADS).to(tl.int64)
     h_kv = (pid_bh % N_KV_HEADS).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -328,9 +349,9 @@ def attn_bwd_dq_kernel(
     N_HEADS, GROUP, N_Q, N_K, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M  # longest first, as forward
+    pid_bh, start_m = _program_tile(N_Q, BLOCK_M, True, HEAD_MAJOR)  # longest first, as the forward
     b = (pid_bh // N_HEADS).to(tl.int64)
     h = pid_bh % N_HEADS
     h_kv = (h // GROUP).to(tl.int64)

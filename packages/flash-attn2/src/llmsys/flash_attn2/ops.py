@@ -105,12 +105,17 @@ def check_grad_out(op: str, grad_out, out) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """One kernel's launch geometry: BLOCK_M query rows by BLOCK_N key rows per tile."""
+    """One kernel's launch geometry: BLOCK_M query rows by BLOCK_N key rows per tile.
+
+    ``head_major``: hand out all tiles of one (batch, head) before the next head (the programs
+    in flight share that head's inputs in L2) instead of one tile of every head at a time.
+    """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 3
+    head_major: bool = False
 
 
 def block_d(head_dim: int) -> int:
@@ -125,8 +130,16 @@ def block_d(head_dim: int) -> int:
 _CONFIGS_16BIT = {
     16: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
     32: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
-    64: (TileConfig(128, 64, 4, 3), TileConfig(32, 64, 4, 4), TileConfig(64, 64, 4, 3)),
-    128: (TileConfig(128, 64, 8, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2)),
+    64: (
+        TileConfig(128, 64, 4, 3),
+        TileConfig(64, 64, 4, 3, head_major=True),
+        TileConfig(64, 64, 4, 3),
+    ),
+    128: (
+        TileConfig(128, 64, 8, 3, head_major=True),
+        TileConfig(32, 64, 4, 3),
+        TileConfig(64, 64, 4, 2, head_major=True),
+    ),
     256: (TileConfig(64, 64, 8, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
 }
 # float32 tiles take twice the registers and shared memory: smaller tiles, fewer stages.
@@ -165,6 +178,7 @@ def _meta(q: torch.Tensor, config: TileConfig, causal: bool) -> dict:
         "DOT_PRECISION": DOT_PRECISION,
         # Triton's interpreter multiplies bfloat16 dot operands as integers: upcast them there.
         "DOT_UPCAST": not q.is_cuda and q.dtype == torch.bfloat16,
+        "HEAD_MAJOR": config.head_major,
     }
 
 
@@ -232,7 +246,7 @@ def flash_attn2_fwd_impl(
         config = tile_configs(d, q.dtype)[0]
         launch(
             kernels.attn_fwd_kernel,
-            (batch * heads, triton.cdiv(n_q, config.block_m)),
+            batch * heads * triton.cdiv(n_q, config.block_m),
             (q4, k4, v4, out, lse, *q4.stride(), *k4.stride(), *v4.stride(), *out.stride(),
              heads, heads // kv_heads, n_q, n_k, float(scale)),
             _meta(q4, config, causal) | {"FOLD_SCALE": FOLD_SCALE and scale > 0},
@@ -289,14 +303,14 @@ def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> Non
     delta = _alloc((batch, heads, n_q), torch.float32, q4.device)  # written by the dQ kernel
     launch(
         kernels.attn_bwd_dq_kernel,
-        (batch * heads, triton.cdiv(n_q, dq_config.block_m)),
+        batch * heads * triton.cdiv(n_q, dq_config.block_m),
         (q4, k4, v4, o4, do4, lse, delta, dq, *q4.stride(), *k4.stride(), *v4.stride(),
          *o4.stride(), *do4.stride(), *dq.stride(), heads, group, n_q, n_k, float(scale)),
         _meta(q4, dq_config, causal), dq_config.num_warps, dq_config.num_stages,
     )  # fmt: skip
     launch(
         kernels.attn_bwd_dkdv_kernel,
-        (batch * kv_heads, triton.cdiv(n_k, dkdv_config.block_n)),
+        batch * kv_heads * triton.cdiv(n_k, dkdv_config.block_n),
         (q4, k4, v4, do4, lse, delta, dk, dv, *q4.stride(), *k4.stride(), *v4.stride(),
          *do4.stride(), *dk.stride(), *dv.stride(), kv_heads, group, n_q, n_k, float(scale)),
         _meta(q4, dkdv_config, causal), dkdv_config.num_warps, dkdv_config.num_stages,
