@@ -182,6 +182,21 @@ def _meta(q: torch.Tensor, config: TileConfig, causal: bool) -> dict:
     }
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+def _grid(config: TileConfig, n_heads: int, n_tiles: int) -> tuple[TileConfig, tuple[int, int]]:
+    """The config and its grid: (heads, tiles), or (tiles, heads) when head-major.
+
+    When the second dimension would exceed CUDA's limit the other program order is taken.
+    """
+    head_major = config.head_major
+    if (n_heads if head_major else n_tiles) > MAX_GRID_Y:
+        head_major = not head_major
+        config = dataclasses.replace(config, head_major=head_major)
+    return config, (n_tiles, n_heads) if head_major else (n_heads, n_tiles)
+
+
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 4 else t.unsqueeze(1)
 
@@ -244,9 +259,10 @@ def flash_attn2_fwd_impl(
         if not _rows_fit_int32(q4, k4, v4):
             q4, k4, v4 = q4.contiguous(), k4.contiguous(), v4.contiguous()
         config = tile_configs(d, q.dtype)[0]
+        config, grid = _grid(config, batch * heads, triton.cdiv(n_q, config.block_m))
         launch(
             kernels.attn_fwd_kernel,
-            batch * heads * triton.cdiv(n_q, config.block_m),
+            grid,
             (q4, k4, v4, out, lse, *q4.stride(), *k4.stride(), *v4.stride(), *out.stride(),
              heads, heads // kv_heads, n_q, n_k, float(scale)),
             _meta(q4, config, causal) | {"FOLD_SCALE": FOLD_SCALE and scale > 0},
@@ -300,17 +316,20 @@ def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> Non
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     group = heads // kv_heads
     _, dkdv_config, dq_config = tile_configs(d, q4.dtype)
+    dq_config, dq_grid = _grid(dq_config, batch * heads, triton.cdiv(n_q, dq_config.block_m))
+    n_key_tiles = triton.cdiv(n_k, dkdv_config.block_n)
+    dkdv_config, dkdv_grid = _grid(dkdv_config, batch * kv_heads, n_key_tiles)
     delta = _alloc((batch, heads, n_q), torch.float32, q4.device)  # written by the dQ kernel
     launch(
         kernels.attn_bwd_dq_kernel,
-        batch * heads * triton.cdiv(n_q, dq_config.block_m),
+        dq_grid,
         (q4, k4, v4, o4, do4, lse, delta, dq, *q4.stride(), *k4.stride(), *v4.stride(),
          *o4.stride(), *do4.stride(), *dq.stride(), heads, group, n_q, n_k, float(scale)),
         _meta(q4, dq_config, causal), dq_config.num_warps, dq_config.num_stages,
     )  # fmt: skip
     launch(
         kernels.attn_bwd_dkdv_kernel,
-        batch * kv_heads * triton.cdiv(n_k, dkdv_config.block_n),
+        dkdv_grid,
         (q4, k4, v4, do4, lse, delta, dk, dv, *q4.stride(), *k4.stride(), *v4.stride(),
          *do4.stride(), *dk.stride(), *dv.stride(), kv_heads, group, n_q, n_k, float(scale)),
         _meta(q4, dkdv_config, causal), dkdv_config.num_warps, dkdv_config.num_stages,
