@@ -64,16 +64,20 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _program_tile(BLOCK: tl.constexpr, REVERSED: tl.constexpr, HEAD_MAJOR: tl.constexpr):
-    """(batch * head, first row of the tile) of this program in its 2-D grid.
+def _program_tile(n_rows, BLOCK: tl.constexpr, REVERSED: tl.constexpr, HEAD_MAJOR: tl.constexpr):
+    """(batch * head, first row of the tile) of this program; REVERSED: the last tile first.
 
     The grid is (heads, tiles): one tile of every head is handed out before the next tile; or,
-    HEAD_MAJOR, (tiles, heads): all tiles of one head come first, so the programs running at the
-    same time share that head's k and v (or q and dO) in L2. Which is faster depends on the
-    kernel and head dim (tile tables in ops.py). REVERSED hands out the last tile first.
+    HEAD_MAJOR, 1-D: all tiles of one head come first, so the programs running at the same time
+    share that head's k and v (or q and dO) in L2. Which order is faster depends on the kernel
+    and head dim (tile tables in ops.py). Each order is written in the form that measured fastest
+    on an H100: the head-major order as a 2-D (tiles, heads) grid ran the d = 64 dK/dV kernel
+    7% slower than this 1-D form, and the (heads, tiles) order as a 1-D grid ran d = 128's 8%
+    slower (benchmarks/NOTES.md, section 5).
     """
     if HEAD_MAJOR:
-        head, tile, n_tiles = tl.program_id(1), tl.program_id(0), tl.num_programs(0)
+        n_tiles = tl.cdiv(n_rows, BLOCK)
+        head, tile = tl.program_id(0) // n_tiles, tl.program_id(0) % n_tiles
     else:
         head, tile, n_tiles = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     if REVERSED:
@@ -171,7 +175,7 @@ def attn_fwd_kernel(
     HEAD_MAJOR: tl.constexpr, FOLD_SCALE: tl.constexpr,
 ):
     # Causal tiles at the end of the sequence do the most work: launch them first.
-    pid_bh, start_m = _program_tile(BLOCK_M, True, HEAD_MAJOR)
+    pid_bh, start_m = _program_tile(N_Q, BLOCK_M, True, HEAD_MAJOR)
     b = (pid_bh // N_HEADS).to(tl.int64)
     h = pid_bh % N_HEADS
     h_kv = (h // GROUP).to(tl.int64)
@@ -257,7 +261,7 @@ def attn_bwd_dkdv_kernel(
     HEAD_MAJOR: tl.constexpr,
 ):
     # Causal: the first key tiles do the most work, and they come first.
-    pid_bh, start_n = _program_tile(BLOCK_N, False, HEAD_MAJOR)
+    pid_bh, start_n = _program_tile(N_K, BLOCK_N, False, HEAD_MAJOR)
     b = (pid_bh // N_KV_HEADS).to(tl.int64)
     h_kv = (pid_bh % N_KV_HEADS).to(tl.int64)
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -348,7 +352,7 @@ def attn_bwd_dq_kernel(
     CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
 ):
-    pid_bh, start_m = _program_tile(BLOCK_M, True, HEAD_MAJOR)  # longest first, as the forward
+    pid_bh, start_m = _program_tile(N_Q, BLOCK_M, True, HEAD_MAJOR)  # longest first, as the forward
     b = (pid_bh // N_HEADS).to(tl.int64)
     h = pid_bh % N_HEADS
     h_kv = (h // GROUP).to(tl.int64)

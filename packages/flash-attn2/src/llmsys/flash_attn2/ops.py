@@ -132,7 +132,7 @@ _CONFIGS_16BIT = {
     32: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
     64: (
         TileConfig(128, 64, 4, 3),
-        TileConfig(64, 64, 4, 3, head_major=True),
+        TileConfig(64, 64, 4, 2, head_major=True),
         TileConfig(64, 64, 4, 3),
     ),
     128: (
@@ -185,16 +185,14 @@ def _meta(q: torch.Tensor, config: TileConfig, causal: bool) -> dict:
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
 
-def _grid(config: TileConfig, n_heads: int, n_tiles: int) -> tuple[TileConfig, tuple[int, int]]:
-    """The config and its grid: (heads, tiles), or (tiles, heads) when head-major.
+def _grid(config: TileConfig, n_heads: int, n_tiles: int) -> tuple[TileConfig, tuple[int, ...]]:
+    """The config and its grid: (heads, tiles), or (heads * tiles,) when head-major.
 
-    When the second dimension would exceed CUDA's limit the other program order is taken.
+    More than 65535 tiles do not fit a grid's second dimension: those take the head-major order.
     """
-    head_major = config.head_major
-    if (n_heads if head_major else n_tiles) > MAX_GRID_Y:
-        head_major = not head_major
-        config = dataclasses.replace(config, head_major=head_major)
-    return config, (n_tiles, n_heads) if head_major else (n_heads, n_tiles)
+    if not config.head_major and n_tiles > MAX_GRID_Y:
+        config = dataclasses.replace(config, head_major=True)
+    return config, (n_heads * n_tiles,) if config.head_major else (n_heads, n_tiles)
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
