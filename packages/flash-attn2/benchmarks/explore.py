@@ -37,7 +37,7 @@ CANDIDATES = {
     },
     64: {  # rounds 5 and 6: the dK/dV choice again, with 2-D grids, then 1-D head-major grids
         "fwd": [(128, 64, 4, 3)],
-        "dkdv": [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (32, 64, 4, 4), (64, 64, 4, 3)],
+        "dkdv": [(64, 64, 4, 3, True), (64, 64, 4, 2, True), (32, 64, 4, 4), (64, 64, 4, 3)],
         "dq": [(64, 64, 4, 3)],
     },
     128: {

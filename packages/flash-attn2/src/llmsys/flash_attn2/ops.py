@@ -132,7 +132,7 @@ _CONFIGS_16BIT = {
     32: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
     64: (
         TileConfig(128, 64, 4, 3),
-        TileConfig(64, 64, 4, 2, head_major=True),
+        TileConfig(64, 64, 4, 3, head_major=True),
         TileConfig(64, 64, 4, 3),
     ),
     128: (
