@@ -2,9 +2,10 @@
 
 Each package plugs in by providing ``benchmarks/sweep.py`` with
 ``run(device, *, quick, progress) -> list[harness.Row]`` and, optionally,
-``skipped(device) -> list[str]`` (what it leaves out here, and why) and
-``plot(rows, path)``. On a GPU the full sweeps run; on a CPU-only machine a small default
-(Triton under the interpreter, tiny sizes) that still exercises every package.
+``skipped(device) -> list[str]`` (what it leaves out here, and why),
+``plot(rows, path)`` and ``report_rows(rows) -> list[harness.Row]`` (the rows the report's
+table shows; its CSV keeps them all). On a GPU the full sweeps run; on a CPU-only machine a
+small default (Triton under the interpreter, tiny sizes) that still exercises every package.
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ def markdown_table(rows: list[harness.Row]) -> str:
             f"{throughput} | {fraction} | {speedup} |"
         )
     return "\n".join(lines)
+
+
+def table_section(rows: list[harness.Row], shown: list[harness.Row], csv_name: str) -> str:
+    """The markdown table of ``shown``, saying how many of ``rows`` are only in the CSV."""
+    table = markdown_table(shown)
+    if len(shown) < len(rows):
+        table += f"\n\n{len(shown)} of {len(rows)} rows; all of them are in `{csv_name}`."
+    return table
 
 
 def _committed(package, slug: str) -> list[dict]:
@@ -109,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                 sweep.skipped(device) if hasattr(sweep, "skipped") and not args.from_results else []
             )
             skipped += [f"{package.name}: {note}" for note in notes]
-            sections.append(
-                f"## {package.name}\n\nCSV: `{csv_path.name}`\n{picture}\n{markdown_table(rows)}\n"
-            )
+            shown = sweep.report_rows(rows) if hasattr(sweep, "report_rows") else rows
+            table = table_section(rows, shown, csv_path.name)
+            sections.append(f"## {package.name}\n\nCSV: `{csv_path.name}`\n{picture}\n{table}\n")
             bar.update()
     elapsed = time.perf_counter() - started
     measured_on = rows_device = harness.device_name(device)

@@ -32,3 +32,17 @@ def test_cpu_timer_orders_quantiles():
     x = torch.randn(256, 256)
     p20, p50, p80 = harness.time_ms(lambda: x @ x, device="cpu", rep_ms=20)
     assert 0 < p20 <= p50 <= p80
+
+
+def test_report_table_says_how_many_rows_only_the_csv_has():
+    from llmsys_bench.report import table_section
+
+    rows = [
+        harness.Row("k", provider, "fwd", "8", "float32", p20=1.0, p50=1.0, p80=1.0)
+        for provider in ("eager", "ours", "liger")
+    ]
+    full = table_section(rows, rows, "k.csv")
+    assert full.count("\n| k |") == 3 and "rows; all of them" not in full
+    short = table_section(rows, rows[:1], "k.csv")
+    assert short.count("\n| k |") == 1
+    assert short.endswith("1 of 3 rows; all of them are in `k.csv`.")

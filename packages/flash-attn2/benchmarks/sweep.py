@@ -260,6 +260,16 @@ def make_row(name, mode, shape, dtype, result, base, rate, gpu, stamp) -> harnes
 # --- report --------------------------------------------------------------------------------------
 
 
+def report_rows(rows: list[harness.Row]) -> list[harness.Row]:
+    """The report's table: the multi-head cases, and fwd+bwd of one head at 16384 and 65536."""
+    return [
+        r
+        for r in rows
+        if not r.x.startswith("1x1x")
+        or (r.mode == "fwd_bwd" and r.x.split("x")[2] in ("16384", "65536"))
+    ]
+
+
 COLORS = {"naive": "C7", "compile": "C1", "sdpa_flash": "C0", "sdpa_cudnn": "C2", "ours": "C3"}
 
 
