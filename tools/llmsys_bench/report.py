@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 sweep.skipped(device) if hasattr(sweep, "skipped") and not args.from_results else []
             )
             skipped += [f"{package.name}: {note}" for note in notes]
-            shown = sweep.report_rows(rows) if hasattr(sweep, "report_rows") else rows
+            # A selection that keeps nothing (a CPU run's tiny cases) shows every row.
+            shown = (sweep.report_rows(rows) if hasattr(sweep, "report_rows") else rows) or rows
             table = table_section(rows, shown, csv_path.name)
             sections.append(f"## {package.name}\n\nCSV: `{csv_path.name}`\n{picture}\n{table}\n")
             bar.update()

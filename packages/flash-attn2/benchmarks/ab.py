@@ -11,7 +11,7 @@ as another module with its ops in another namespace, so both live side by side.
 Prints and writes (``--out``) a table of median milliseconds per variant, case and mode, with
 SDPA flash and cuDNN timed in the same rounds; the per-kernel split of the current version
 (profiler) follows. ``--variants`` adds module-level switches of ``ops`` to compare, such as
-``FOLD_SCALE=0``.
+``FOLD_SCALE=False``; a switch is set for the forward call only (the backward runs after it).
 """
 
 from __future__ import annotations
@@ -147,7 +147,9 @@ def parse_switch(text: str) -> tuple[str, dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, help="an earlier copy of src/llmsys/flash_attn2")
-    parser.add_argument("--variants", nargs="*", default=[], help="ops switches, NAME=VALUE")
+    parser.add_argument(
+        "--variants", nargs="*", default=[], help="ops switches for the forward, NAME=VALUE"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("ab-out"))
     args = parser.parse_args(argv)

@@ -192,7 +192,7 @@ def ceiling(device: str, dtype: torch.dtype) -> float:
 def our_config(shape, dtype) -> str:
     fwd, dkdv, dq = ops.tile_configs(shape[-1], dtype)
     return " ".join(
-        f"{name}={c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}"
+        f"{name}={c.block_m}x{c.block_n}/w{c.num_warps}/s{c.num_stages}{'/hm' * c.head_major}"
         for name, c in (("fwd", fwd), ("dkdv", dkdv), ("dq", dq))
     )
 

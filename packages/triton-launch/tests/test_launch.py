@@ -80,8 +80,28 @@ def test_grid_of_more_than_three_sizes_is_refused(grid):
         launch(scale_add, grid, (x, x, 4, 1.0), {"BLOCK": 4})
 
 
+def test_constexprs_out_of_signature_order_are_refused(device):
+    x = torch.randn(5, 70, device=device)
+    args = (x, torch.empty_like(x), 70, 70)
+    with pytest.raises(ValueError, match="signature order"):
+        launch(add_rows, (5, 3), args[:2], {"stride": 70, "n_cols": 70, "BLOCK": 32})  # swapped
+    with pytest.raises(ValueError, match="signature order"):
+        launch(scale_add, 1, (x, x, 4), {"BLOCK": 4})  # alpha is missing from args
+
+
 def test_cpu_kernels_run_under_the_interpreter(device):
     assert runs_under_interpreter(scale_add) == (device == "cpu")
+
+
+@pytest.mark.gpu
+def test_each_num_stages_gets_its_own_cache_entry():
+    x = torch.randn(5, 70, device="cuda")
+    args = (x, torch.empty_like(x), 70, 70)
+    entries = []
+    for num_stages in (2, 2, 3):
+        launch(add_rows, (5, 3), args, {"BLOCK": 32}, num_warps=2, num_stages=num_stages)
+        entries.append(sum(key[0] is add_rows for key in _compiled))
+    assert entries[1] == entries[0] and entries[2] == entries[0] + 1
 
 
 @pytest.mark.gpu

@@ -192,6 +192,11 @@ def _grid(config: TileConfig, n_heads: int, n_tiles: int) -> tuple[TileConfig, t
     """
     if not config.head_major and n_tiles > MAX_GRID_Y:
         config = dataclasses.replace(config, head_major=True)
+    if config.head_major and n_heads * n_tiles >= 2**31:
+        raise ValueError(
+            f"flash_attention: {n_heads} (batch * heads) x {n_tiles} tiles are more programs "
+            "than a CUDA grid holds (2**31 - 1)"
+        )
     return config, (n_heads * n_tiles,) if config.head_major else (n_heads, n_tiles)
 
 

@@ -30,6 +30,16 @@ def _key(value) -> object:
     return type(value), value
 
 
+def _check_order(kernel, args: tuple, constexprs: dict) -> None:
+    """The cached path passes constexprs by position: their order must be the signature's."""
+    expected = list(kernel.arg_names[len(args) :])
+    if list(constexprs) != expected:
+        raise ValueError(
+            f"launch: `constexprs` must name {kernel.__name__}'s arguments after the "
+            f"{len(args)} in `args`, in signature order {expected}, got {list(constexprs)}"
+        )
+
+
 def _launch_hooks_installed() -> bool:
     import triton
 
@@ -67,6 +77,7 @@ def launch(
         return
     device = args[0].get_device()  # -1 on CPU
     if device < 0:  # CPU tensors: the interpreter (TRITON_INTERPRET=1)
+        _check_order(kernel, args, constexprs)
         kernel[grid](*args, **constexprs)
         return
     # Tensors are inlined rather than sent through _key: a function call per argument is a
@@ -85,6 +96,7 @@ def launch(
     compiled = _compiled.get(key)
     if compiled is None or device != torch.cuda.current_device() or _launch_hooks_installed():
         # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
+        _check_order(kernel, args, constexprs)
         options = {"num_warps": num_warps}
         if num_stages is not None:
             options["num_stages"] = num_stages
