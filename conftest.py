@@ -24,6 +24,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """Every test starts from the same random state, so a failure reproduces."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def device() -> str:
     """Where the kernels run: the GPU if there is one, else the CPU under the interpreter."""

@@ -1,6 +1,6 @@
 """Test configuration of kernels-int8: the autotuner off by default, and outputs poisoned before
 the kernels write them. (The root conftest.py runs Triton under the interpreter on CPU-only
-machines, skips `gpu` tests there and provides the `device` fixture.)
+machines, skips `gpu` tests there, provides the `device` fixture and seeds every test.)
 
 pytest imports this file before any test module, so the environment variable is set before the
 package is imported.
@@ -18,11 +18,6 @@ os.environ.setdefault("LLMSYS_INT8_AUTOTUNE", "0")
 # What the poisoned allocator fills new tensors with: NaN for floats, and for integers a value
 # no kernel output may hold (the quantizer never writes -128; partial sums are never this odd).
 POISON = {torch.int8: -128, torch.int32: 1_234_567_891}
-
-
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
 
 
 @pytest.fixture
