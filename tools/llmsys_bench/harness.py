@@ -7,11 +7,8 @@ bandwidth for memory-bound ops, the bf16 matmul rate for compute-bound ones).
 
 from __future__ import annotations
 
-import csv
-import dataclasses
-import datetime as _dt
-import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 from functools import cache
@@ -19,82 +16,40 @@ from pathlib import Path
 
 import torch
 
-CSV_FIELDS = [
-    "kernel",
-    "provider",
-    "mode",
-    "x",
-    "dtype",
-    "p20",
-    "p50",
-    "p80",
-    "unit",
-    "throughput",
-    "throughput_unit",
-    "roofline_fraction",
-    "speedup_vs_baseline",
-    "config",
-    "gpu",
-    "version",
+_PROFILING_SRC = Path(__file__).resolve().parents[2] / "packages" / "profiling" / "src"
+if str(_PROFILING_SRC) not in sys.path:  # a sweep run as a script with only its own src on the path
+    sys.path.append(str(_PROFILING_SRC))
+
+# The schema lives in the profiling package, so a pip-installed `llmsys-bench` writes it too.
+from llmsys.profiling.results import (  # noqa: E402
+    CSV_FIELDS,
+    Row,
+    device_name,
+    device_slug,
+    read_csv,
+    read_rows,
+    timestamp,
+    write_csv,
+)
+
+__all__ = [
+    "CSV_FIELDS",
+    "Row",
+    "copy_bandwidth",
+    "device_name",
+    "device_slug",
+    "host_us_per_call",
+    "matmul_rate",
+    "plot_vs_baseline",
+    "read_csv",
+    "read_rows",
+    "replot",
+    "save_figure",
+    "sweep_arguments",
+    "time_ms",
     "timestamp",
+    "write_csv",
 ]
-
-
-@dataclasses.dataclass
-class Row:
-    kernel: str
-    provider: str
-    mode: str
-    x: str
-    dtype: str
-    p20: float
-    p50: float
-    p80: float
-    unit: str = "ms"
-    throughput: float | None = None
-    throughput_unit: str = ""
-    roofline_fraction: float | None = None
-    speedup_vs_baseline: float | None = None
-    config: str = ""
-    gpu: str = ""
-    version: str = ""
-    timestamp: str = ""
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> Row:
-        """A row back from a CSV record: numbers parsed, empty cells as None."""
-        parsed = {}
-        for field in dataclasses.fields(cls):
-            raw = values.get(field.name, "")
-            if field.type in ("float", "float | None"):
-                parsed[field.name] = float(raw) if raw not in ("", None) else None
-            else:
-                parsed[field.name] = raw
-        return cls(**parsed)
-
-
-def device_name(device: str | torch.device = "cuda") -> str:
-    """Human name of the device: 'NVIDIA H100 80GB HBM3' or 'cpu'."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
-
-
-def device_slug(device: str | torch.device = "cuda") -> str:
-    """File-name form of the device: 'h100', 'h200', 'a100', or 'cpu'."""
-    name = device_name(device).lower()
-    match = re.search(r"\b([abhl]\d{2,3}|b200|gb200)\b", name)
-    if match:
-        return match.group(1)
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
-
-
-def timestamp() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def time_ms(
@@ -166,23 +121,6 @@ def matmul_rate(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> fl
     return 2 * n**3 / (p50 * 1e-3)
 
 
-def write_csv(rows: Iterable[Row], path: str | Path) -> Path:
-    """Write rows to ``path`` with the shared schema; returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(row.as_dict())
-    return path
-
-
-def read_csv(path: str | Path) -> list[dict]:
-    with Path(path).open(newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def sweep_arguments(description: str, results: Path, quick_help: str):
     """The command line every package's sweep shares: --device, --quick, --out, --replot."""
     import argparse
@@ -197,7 +135,7 @@ def sweep_arguments(description: str, results: Path, quick_help: str):
 
 def replot(csv_path: Path, plot: Callable[[list[Row], Path], Path]) -> Path:
     """Redraw a sweep's plot from its committed CSV (no GPU needed); returns the PNG path."""
-    rows = [Row.from_dict(r) for r in read_csv(csv_path)]
+    rows = read_rows(csv_path)
     return plot(rows, Path(csv_path).with_suffix(".png"))
 
 

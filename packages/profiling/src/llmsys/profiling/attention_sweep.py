@@ -1,0 +1,289 @@
+"""Causal attention alone: forward and backward time and memory over head dim x sequence length.
+
+The attention benchmark of CS336 assignment 2: batch 8, one head, q, k, v of shape
+(batch, 1, seq, d) in the chosen dtype (real tensors, not autocast), requiring grad. By default
+d in 16 32 64 128 and seq in 256 1024 4096 8192 16384 with 100 timed passes; on ``--device cpu``
+the defaults shrink to d 16, seq 16 32 and 2 passes (Triton runs under its interpreter there).
+Implementations (``--impl``): ``naive`` (the eager formula, which stores the (seq, seq) scores;
+the baseline of the speedup column), ``compiled`` (``torch.compile`` of it, one graph per shape),
+``sdpa`` (``F.scaled_dot_product_attention(is_causal=True)``) and ``flash``
+(``llmsys.flash_attn2.flash_attention(causal=True)``, Triton FlashAttention-2).
+
+Method, per case and implementation, after ``--warmup`` untimed forward + backward passes:
+- forward: ``--passes`` forwards, each timed alone (the device is synchronized before it; CUDA
+  events around it, or the wall clock on CPU). Inputs require grad, so each forward also saves
+  what its backward needs, as in training.
+- memory (CUDA only): ``torch.cuda.memory_allocated`` after one more forward whose graph is kept,
+  i.e. what is in use when a backward starts (q, k, v, the output gradient, saved activations);
+  on the forward row.
+- backward: ``--passes`` times, an untimed forward, a synchronize, then only
+  ``torch.autograd.grad(out, (q, k, v), dout)`` timed (no gradient accumulation into ``.grad``).
+Rows give p20 / p50 / p80 of the per-call times, TFLOP/s of the causal FLOPs (forward
+2 * 2 * B * N(N+1)/2 * d, backward 2.5x that; the same count for every implementation, so the
+naive one's masked-out half is not credited), the fraction of the GPU's matmul peak, and the
+speedup over ``naive`` in the same case and mode. A case that runs out of memory gets a row
+with NaN times and config ``OOM`` (a backward OOM keeps its forward row) and the sweep goes on.
+Writes ``attention.png`` (time vs seq, log-log, one panel per d) when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import itertools
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import accounting, results
+from .attention import ATTENTION_FUNCTIONS, naive_attention
+from .progress import progress
+from .training import is_out_of_memory, synchronize
+
+HELP = "time causal attention (naive, compiled, SDPA, FlashAttention-2) over head dim x seq len"
+IMPLS = ("naive", "compiled", "sdpa", "flash")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GPU_DEFAULTS = {"head_dim": [16, 32, 64, 128], "seq_len": [256, 1024, 4096, 8192, 16384]}
+GPU_DEFAULTS["passes"] = 100
+CPU_DEFAULTS = {"head_dim": [16], "seq_len": [16, 32], "passes": 2}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="batch (8)")
+    parser.add_argument(
+        "--head-dim",
+        nargs="+",
+        type=_positive_int,
+        help="head dims (default 16 32 64 128; on cpu 16)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        nargs="+",
+        type=_positive_int,
+        help="sequence lengths (default 256 1024 4096 8192 16384; on cpu 16 32)",
+    )
+    parser.add_argument(
+        "--passes", type=_positive_int, help="timed passes per mode (default 100; on cpu 2)"
+    )
+    parser.add_argument(
+        "--warmup", type=_non_negative_int, default=3, help="untimed fwd + bwd passes first (3)"
+    )
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="q, k, v dtype")
+    parser.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+
+
+def resolve_defaults(args) -> tuple[list[int], list[int], int]:
+    """(head dims, seq lens, passes): the user's values, else the defaults for the device."""
+    defaults = CPU_DEFAULTS if torch.device(args.device).type == "cpu" else GPU_DEFAULTS
+    return (
+        args.head_dim or defaults["head_dim"],
+        args.seq_len or defaults["seq_len"],
+        args.passes or defaults["passes"],
+    )
+
+
+@functools.cache
+def _compiled_naive() -> Callable:
+    # Every (shape, dtype) is a new graph (dynamic=False: each compiled for its sizes); raise the
+    # recompile limit so that dynamo never silently falls back to eager after 8 shapes.
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name and the older one
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 1024))
+    return torch.compile(naive_attention, dynamic=False)
+
+
+def attention_impl(name: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The causal attention ``fn(q, k, v) -> out`` of ``name``, all on (B, H, N, d) tensors."""
+    if name not in IMPLS:
+        raise ValueError(f"attention_impl: `name` must be one of {IMPLS}, got {name!r}")
+    return _compiled_naive() if name == "compiled" else ATTENTION_FUNCTIONS[name]
+
+
+def causal_flops(batch: int, seq: int, d: int, mode: str) -> float:
+    """FLOPs of causal attention: 2 matmuls over the N(N+1)/2 visible (query, key) pairs."""
+    forward = 2 * 2 * batch * seq * (seq + 1) / 2 * d
+    return forward if mode == "forward" else 2.5 * forward
+
+
+def _time_calls(call: Callable, passes: int, device, prepare: Callable | None = None):
+    """Milliseconds of each of ``passes`` runs of ``call(prepare())``; ``prepare`` is untimed.
+
+    The device is synchronized before each call, so the time is the call's alone: CUDA events
+    around it (its launches and kernels), or the wall clock on CPU.
+    """
+    cuda = torch.device(device).type == "cuda"
+    times, events = [], []
+    for _ in range(passes):
+        arg = prepare() if prepare else None
+        synchronize(device)
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            call(arg)
+            end.record()
+            events.append((begin, end))
+        else:
+            begin = time.perf_counter()
+            call(arg)
+            times.append((time.perf_counter() - begin) * 1e3)
+    synchronize(device)
+    return times + [begin.elapsed_time(end) for begin, end in events]
+
+
+def measure(impl: str, shape: tuple[int, ...], dtype, device, passes: int, warmup: int) -> dict:
+    """Forward and backward ms samples and memory before backward (GiB) of one case.
+
+    ``shape`` is (B, 1, N, d). A phase that runs out of memory leaves its entry None (an OOM in
+    the forward skips the backward); other errors propagate.
+    """
+    fn = attention_impl(impl)
+    measured = {"forward": None, "backward": None, "memory_gib": None}
+    try:
+        q, k, v = (
+            torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+        )
+        dout = torch.randn(shape, device=device, dtype=dtype)
+        for _ in range(warmup):  # forward only first, so that a backward OOM keeps the forward
+            fn(q, k, v)
+        measured["forward"] = _time_calls(lambda _: fn(q, k, v), passes, device)
+        for _ in range(warmup):
+            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+        out = fn(q, k, v)
+        synchronize(device)
+        if torch.device(device).type == "cuda":
+            measured["memory_gib"] = torch.cuda.memory_allocated(device) / 2**30
+        del out
+        measured["backward"] = _time_calls(
+            lambda out: torch.autograd.grad(out, (q, k, v), dout),
+            passes,
+            device,
+            prepare=lambda: fn(q, k, v),
+        )
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+    return measured
+
+
+def _quantiles(times: list[float]) -> tuple[float, float, float]:
+    if len(times) < 2:
+        return times[0], times[0], times[0]
+    cuts = statistics.quantiles(times, n=5, method="inclusive")  # 20%, 40%, 60%, 80%
+    return cuts[0], statistics.median(times), cuts[3]
+
+
+def case_rows(impl, batch, seq, d, args, passes, measured) -> list[results.Row]:
+    """A forward and a backward row of one (impl, d, seq); NaN times and config OOM if none."""
+    gpu, stamp = results.device_name(args.device), results.timestamp()
+    peak = None
+    if torch.device(args.device).type == "cuda":
+        peak, _ = accounting.peak_flops(results.device_slug(args.device), args.dtype)
+    rows = []
+    for mode in ("forward", "backward"):
+        common = dict(
+            kernel="attention", provider=impl, mode=mode, x=f"d={d} seq={seq}", dtype=args.dtype,
+            gpu=gpu, version=f"torch {torch.__version__}", timestamp=stamp,
+        )  # fmt: skip
+        times = measured[mode]
+        if times is None:
+            nan = float("nan")
+            rows.append(results.Row(p20=nan, p50=nan, p80=nan, config="OOM", **common))
+            continue
+        p20, p50, p80 = _quantiles(times)
+        tflops = causal_flops(batch, seq, d, mode) / (p50 * 1e-3) / 1e12
+        rows.append(
+            results.Row(
+                p20=p20, p50=p50, p80=p80,
+                throughput=tflops, throughput_unit="TFLOP/s",
+                roofline_fraction=tflops * 1e12 / peak if peak else None,
+                config=f"batch={batch} heads=1 passes={passes} warmup={args.warmup}",
+                mean=statistics.mean(times),
+                std=statistics.stdev(times) if len(times) > 1 else 0.0,
+                memory_gib=measured["memory_gib"] if mode == "forward" else None,
+                **common,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def add_speedups(rows: list[results.Row]) -> None:
+    """Set ``speedup_vs_baseline`` = naive p50 / p50 of the same case and mode (None without)."""
+    naive = {(r.x, r.mode): r.p50 for r in rows if r.provider == "naive" and not math.isnan(r.p50)}
+    for r in rows:
+        base = naive.get((r.x, r.mode))
+        r.speedup_vs_baseline = base / r.p50 if base and not math.isnan(r.p50) else None
+
+
+def plot(rows: list[results.Row], path: str | Path) -> Path:
+    """Forward (solid) and backward (dashed) ms vs seq len per impl, log-log, a panel per d."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
+
+    def case(row):  # "d=16 seq=256" -> (16, 256)
+        d, seq = re.match(r"d=(\d+) seq=(\d+)", row.x).groups()
+        return int(d), int(seq)
+
+    timed = [r for r in rows if r.kernel == "attention" and not math.isnan(r.p50)]
+    head_dims = sorted({case(r)[0] for r in timed}) or [0]
+    fig = Figure(figsize=(4.5 * len(head_dims), 4), layout="constrained")
+    axes = fig.subplots(1, len(head_dims), squeeze=False)[0]
+    for ax, d in zip(axes, head_dims, strict=True):
+        for i, impl in enumerate(dict.fromkeys(r.provider for r in timed)):
+            for mode, style in (("forward", "-"), ("backward", "--")):
+                points = sorted(
+                    (case(r)[1], r.p50)
+                    for r in timed
+                    if r.provider == impl and r.mode == mode and case(r)[0] == d
+                )
+                if points:
+                    seqs, times = zip(*points, strict=True)
+                    ax.plot(seqs, times, style, marker="o", color=f"C{i}", label=f"{impl} {mode}")
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", title=f"d={d}", xlabel="seq len", ylabel="ms (p50)")
+        ax.legend(fontsize="small")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def run(args) -> list[results.Row]:
+    head_dims, seq_lens, passes = resolve_defaults(args)
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    rows = []
+    cases = list(itertools.product(head_dims, seq_lens, args.impl))
+    for d, seq, impl in progress(cases, "attention"):
+        shape = (args.batch_size, 1, seq, d)
+        measured = measure(impl, shape, dtype, args.device, passes, args.warmup)
+        gc.collect()  # free an OOMed case's tensors before the next case allocates
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
+        rows += case_rows(impl, args.batch_size, seq, d, args, passes, measured)
+    add_speedups(rows)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("attention: matplotlib is not installed; no plot")
+    else:
+        print(f"wrote {plot(rows, Path(args.out) / 'attention.png')}")
+    return rows

@@ -1,0 +1,90 @@
+"""``llmsys-bench``: the Transformer LM's benchmarks, one subcommand each.
+
+    llmsys-bench e2e --size medium --context-length 1024 --preset llmsys
+    llmsys-bench memory --size small --context-length 128 256 512
+    llmsys-bench profile --size small --out results/
+    llmsys-bench attention
+    llmsys-bench precision
+    llmsys-bench report results/ --out REPORT.md
+
+Every subcommand prints a Markdown table and writes ``<out>/<subcommand>.csv`` in the shared
+results schema (``llmsys.profiling.results``); ``--help`` on each lists its options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+from . import results
+
+# subcommand -> module with HELP, add_arguments(parser) and run(args) -> list[results.Row]
+SUBCOMMANDS = {
+    "e2e": "e2e",
+    "memory": "memory",
+    "profile": "kernel_profile",
+    "attention": "attention_sweep",
+    "precision": "precision",
+    "report": "report",
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__package__}.{SUBCOMMANDS[name]}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmsys-bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    for name in SUBCOMMANDS:
+        module = _module(name)
+        sub = commands.add_parser(
+            name,
+            help=module.HELP,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        if name != "report":
+            sub.add_argument(
+                "--device",
+                default="cuda" if torch.cuda.is_available() else "cpu",
+                help="where to run (default: cuda if there is a GPU, else cpu)",
+            )
+            sub.add_argument(
+                "--out",
+                type=Path,
+                default=Path("llmsys-bench-results"),
+                help="folder for the CSV and any plots or traces (default: llmsys-bench-results)",
+            )
+        module.add_arguments(sub)
+    return parser
+
+
+def emit(rows: list[results.Row], out: Path, name: str) -> Path:
+    """Print ``rows`` as a Markdown table and write them to ``out/<name>.csv``."""
+    print(results.markdown_table(rows))
+    path = results.write_csv(rows, Path(out) / f"{name}.csv")
+    print(f"\nwrote {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = _module(args.command)
+    rows = module.run(args)
+    if args.command != "report":
+        emit(rows, args.out, args.command)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""End-to-end timing of the Transformer LM: forward, forward + backward, or a full train step.
+
+Each case builds a fresh model with random weights, runs ``--warmup`` untimed steps, then
+``--steps`` timed ones. The device is synchronized after each phase (forward, backward,
+optimizer), so every phase's time is its own; the tables give mean and standard deviation per
+phase, tokens per second, model FLOPs utilization (MFU: matmul FLOPs of the step over the GPU's
+dense peak, named in the ``config`` column; see ``llmsys.profiling.accounting``) and peak memory.
+``forward`` runs under ``torch.no_grad()`` (inference); the other modes keep the graph.
+Sizes, contexts, precisions, presets and warm-up counts sweep (several values each); a case that
+runs out of memory is recorded as OOM and the sweep goes on. ``--warmup 0 1 2 5`` shows the
+warm-up effect: the first steps pay for CUDA context setup, cuBLAS heuristics, Triton and
+``torch.compile`` compilation.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import statistics
+import time
+
+import torch
+from torch.profiler import record_function
+
+from . import accounting, results
+from .model import TransformerLM, use_int8_linears
+from .options import Variant, add_model_arguments, variants
+from .progress import progress
+from .training import autocast, is_out_of_memory, lm_loss, make_optimizer, random_batch, synchronize
+
+HELP = "time forward / backward / optimizer steps of the Transformer LM (tokens/s, MFU, memory)"
+MODES = ("forward", "forward-backward", "train-step")
+PHASES = {"forward": ("forward",), "forward-backward": ("forward", "backward")}
+PHASES["train-step"] = ("forward", "backward", "optimizer")
+
+
+def add_arguments(parser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--mode", nargs="+", default=["train-step"], choices=MODES)
+    parser.add_argument(
+        "--warmup", nargs="+", type=int, default=[5], help="untimed steps first (5)"
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (10)")
+
+
+class Runner:
+    """One model, its optimizer and a batch, stepped phase by phase with synchronization."""
+
+    def __init__(self, variant: Variant, size: str, context: int, batch: int, mode: str, device):
+        if variant.int8 and mode != "forward":
+            raise ValueError("e2e: int8 linears are inference-only; use --mode forward")
+        self.variant, self.mode, self.device = variant, mode, device
+        self.config = variant.config(size, context)
+        if variant.compile:
+            torch._dynamo.reset()  # a case must pay its own compilation, not reuse the last one's
+        self.model = TransformerLM(self.config, device=device)
+        if variant.int8:
+            self.model = use_int8_linears(self.model.to(torch.bfloat16))
+        self.call = torch.compile(self.model) if variant.compile else self.model
+        self.optimizer = make_optimizer(self.model, variant.optimizer) if mode == "train-step" else None
+        self.tokens, self.targets = random_batch(self.config, batch, context, device)
+
+    def step(self) -> dict[str, float]:
+        """One step; milliseconds per phase, each phase in a profiler range of its name
+        (``forward``, ``backward``, ``optimizer_step``)."""
+        times, start = {}, time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal start
+            synchronize(self.device)
+            now = time.perf_counter()
+            times[phase], start = (now - start) * 1e3, now
+
+        dtype = "fp32" if self.variant.int8 else self.variant.dtype  # int8 runs bf16 weights
+        with record_function("forward"):
+            with torch.set_grad_enabled(self.mode != "forward"), autocast(dtype, self.device):
+                loss = lm_loss(self.call(self.tokens), self.targets)
+            lap("forward")
+        if self.mode == "forward":
+            return times
+        with record_function("backward"):
+            loss.backward()
+            lap("backward")
+        if self.optimizer is None:
+            self.model.zero_grad(set_to_none=True)
+            return times
+        with record_function("optimizer_step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            lap("optimizer")
+        return times
+
+
+def measure(
+    variant: Variant,
+    size: str,
+    context: int,
+    batch: int,
+    mode: str,
+    device,
+    warmup: int,
+    steps: int,
+) -> dict:
+    """Per-phase millisecond samples and peak memory (GiB, CUDA only) of one case."""
+    runner = Runner(variant, size, context, batch, mode, device)
+    for _ in range(warmup):
+        runner.step()
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    samples = [runner.step() for _ in range(steps)]
+    peak = None
+    if torch.device(device).type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+    return {"config": runner.config, "samples": samples, "peak_gib": peak}
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return q[1], statistics.median(values), q[7]
+
+
+def case_rows(
+    variant, size, context, batch, mode, warmup, steps, device, measured, baseline_ms
+) -> list[results.Row]:
+    """A step row (tokens/s, MFU, memory) and one row per phase."""
+    gpu, stamp = results.device_name(device), results.timestamp()
+    x = f"{size} ctx={context} batch={batch}"
+    common = dict(provider=variant.label, x=x, dtype=variant.dtype, gpu=gpu, timestamp=stamp)
+    settings = f"warmup={warmup} steps={steps} compile={variant.compile} opt={variant.optimizer}"
+    if measured is None:
+        nan = float("nan")
+        return [
+            results.Row(kernel="transformer_lm", mode=mode, p20=nan, p50=nan, p80=nan,
+                        config=f"OOM; {settings}", **common)
+        ]  # fmt: skip
+    samples = measured["samples"]
+    step_ms = [sum(s.values()) for s in samples]
+    mean_ms = statistics.mean(step_ms)
+    tokens_per_s = batch * context / (mean_ms / 1e3)
+    flops = accounting.step_flops(measured["config"], batch, context, mode)
+    peak, peak_name = accounting.peak_flops(results.device_slug(device), variant.dtype)
+    mfu = flops / (mean_ms / 1e3) / peak if peak and torch.device(device).type == "cuda" else None
+    rows = [
+        results.Row(
+            kernel="transformer_lm",
+            mode=mode,
+            **dict(zip(("p20", "p50", "p80"), _quantiles(step_ms))),
+            throughput=tokens_per_s,
+            throughput_unit="tok/s",
+            roofline_fraction=mfu,
+            speedup_vs_baseline=baseline_ms / mean_ms if baseline_ms else None,
+            config=f"{settings}; MFU of {peak_name}",
+            mean=mean_ms,
+            std=statistics.stdev(step_ms) if len(step_ms) > 1 else 0.0,
+            memory_gib=measured["peak_gib"],
+            **common,
+        )
+    ]
+    for phase in PHASES[mode]:
+        times = [s[phase] for s in samples]
+        rows.append(
+            results.Row(
+                kernel=f"transformer_lm/{phase}",
+                mode=mode,
+                **dict(zip(("p20", "p50", "p80"), _quantiles(times))),
+                config=settings,
+                mean=statistics.mean(times),
+                std=statistics.stdev(times) if len(times) > 1 else 0.0,
+                **common,
+            )
+        )
+    return rows
+
+
+def run(args) -> list[results.Row]:
+    if args.steps < 1 or args.batch_size < 1 or min(args.warmup) < 0:
+        raise SystemExit("e2e: --steps and --batch-size must be >= 1 and --warmup >= 0")
+    cases = [
+        (size, context, mode, dtype, warmup, variant)
+        for size, context, mode, dtype, warmup in itertools.product(
+            args.size, args.context_length, args.mode, args.dtype, args.warmup
+        )
+        for variant in variants(args, dtype)
+    ]
+    rows, baselines = [], {}
+    def label(case) -> str:
+        size, context, mode, dtype, warmup, variant = case
+        return f"{size} ctx={context} {mode} {dtype} warmup={warmup} {variant.label}"
+
+    for size, context, mode, dtype, warmup, variant in progress(cases, "e2e", label):
+        try:
+            measured = measure(
+                variant, size, context, args.batch_size, mode, args.device, warmup, args.steps
+            )
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            measured = None
+        gc.collect()
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.empty_cache()
+        key = (size, context, mode, dtype, warmup)  # the first variant of a case is the baseline
+        if measured is not None and key not in baselines:
+            baselines[key] = statistics.mean(sum(s.values()) for s in measured["samples"])
+        rows += case_rows(
+            variant, size, context, args.batch_size, mode, warmup, args.steps, args.device,
+            measured, baselines.get(key),
+        )  # fmt: skip
+    return rows

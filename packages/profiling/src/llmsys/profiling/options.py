@@ -1,0 +1,112 @@
+"""Command-line options the model benchmarks share (``e2e``, ``memory``, ``profile``).
+
+The part switches pick each part's implementation; a preset sets them all at once:
+
+    eager     naive attention, eager SwiGLU, no torch.compile (what a first implementation is)
+    compiled  SDPA attention, eager SwiGLU, torch.compile (the best a user picks from PyTorch)
+    llmsys    flash-attn2, the fused SwiGLU kernel, torch.compile (every one of our kernels)
+
+Explicit switches given with a preset override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from .config import ATTENTION, FFN, SIZES, ModelConfig
+from .training import DTYPES, OPTIMIZERS
+
+PRESETS = {
+    "eager": dict(attention="naive", ffn="eager", compile=False),
+    "compiled": dict(attention="sdpa", ffn="eager", compile=True),
+    "llmsys": dict(attention="flash", ffn="swiglu", compile=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way to run the model: its parts, compile, precision, optimizer and checkpointing."""
+
+    attention: str = "sdpa"
+    ffn: str = "eager"
+    compile: bool = False
+    dtype: str = "bf16"
+    optimizer: str = "adamw-fused"
+    checkpoint: bool = False
+    int8: bool = False
+    preset: str = ""
+
+    @property
+    def label(self) -> str:
+        """Short provider name for tables: the preset, or the parts spelled out."""
+        parts = [
+            self.preset or f"{self.attention}+{self.ffn}",
+            "compiled" if self.compile and not self.preset else "",
+            "int8" if self.int8 else "",
+            "ckpt" if self.checkpoint else "",
+        ]
+        return "+".join(p for p in parts if p)
+
+    def config(self, size: str, context_length: int, **overrides) -> ModelConfig:
+        return ModelConfig.named(
+            size,
+            context_length=context_length,
+            attention=self.attention,
+            ffn=self.ffn,
+            checkpoint=self.checkpoint,
+            **overrides,
+        )
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, contexts=(1024,), sizes=("small",)):
+    """Sizes, contexts, batch, precision, presets and part switches (lists sweep)."""
+    parser.add_argument(
+        "--size", nargs="+", default=list(sizes), choices=list(SIZES), help="model sizes"
+    )
+    parser.add_argument(
+        "--context-length", nargs="+", type=int, default=list(contexts), help="sequence lengths"
+    )
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (4)")
+    parser.add_argument(
+        "--dtype", nargs="+", default=["bf16"], choices=DTYPES, help="bf16 = autocast (bf16)"
+    )
+    parser.add_argument(
+        "--preset", nargs="+", choices=list(PRESETS), help="run these presets (see above)"
+    )
+    parser.add_argument("--attention", choices=ATTENTION, help="attention implementation")
+    parser.add_argument("--ffn", choices=FFN, help="feed-forward: eager, swiglu kernel or moe")
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile"
+    )
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-fused")
+    parser.add_argument(
+        "--checkpoint",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="per-block activation checkpointing",
+    )
+    parser.add_argument(
+        "--int8", action="store_true", help="int8 linears (llmsys.kernels_int8; forward only)"
+    )
+
+
+def variants(args: argparse.Namespace, dtype: str) -> list[Variant]:
+    """The variants the arguments ask for: one per preset, or one from the switches alone."""
+    switches = {
+        key: getattr(args, key)
+        for key in ("attention", "ffn", "compile")
+        if getattr(args, key, None) is not None
+    }
+    common = dict(
+        dtype=dtype,
+        optimizer=args.optimizer,
+        checkpoint=args.checkpoint,
+        int8=getattr(args, "int8", False),
+    )
+    if not args.preset:
+        return [Variant(**switches, **common)]
+    return [
+        Variant(**(PRESETS[name] | switches), **common, preset=name if not switches else "")
+        for name in args.preset
+    ]

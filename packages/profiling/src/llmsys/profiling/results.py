@@ -1,0 +1,148 @@
+"""The one tidy results schema every llmsys benchmark writes, and its Markdown table.
+
+Each row of a results CSV is one (kernel, provider, mode, case): its p20/p50/p80 times, the
+throughput they imply and that throughput as a fraction of a ceiling (copy bandwidth, the
+matmul rate, or the GPU's peak FLOP/s for model FLOPs utilization). ``mean``, ``std`` and
+``memory_gib`` are filled by benchmarks that report them (the end-to-end model runs).
+The workspace's benchmark harness (``tools/llmsys_bench``) re-exports this module.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime as _dt
+import math
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+CSV_FIELDS = [
+    "kernel",
+    "provider",
+    "mode",
+    "x",
+    "dtype",
+    "p20",
+    "p50",
+    "p80",
+    "unit",
+    "throughput",
+    "throughput_unit",
+    "roofline_fraction",
+    "speedup_vs_baseline",
+    "config",
+    "gpu",
+    "version",
+    "timestamp",
+    "mean",
+    "std",
+    "memory_gib",
+]
+
+
+@dataclasses.dataclass
+class Row:
+    kernel: str
+    provider: str
+    mode: str
+    x: str
+    dtype: str
+    p20: float
+    p50: float
+    p80: float
+    unit: str = "ms"
+    throughput: float | None = None
+    throughput_unit: str = ""
+    roofline_fraction: float | None = None
+    speedup_vs_baseline: float | None = None
+    config: str = ""
+    gpu: str = ""
+    version: str = ""
+    timestamp: str = ""
+    mean: float | None = None
+    std: float | None = None
+    memory_gib: float | None = None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Row:
+        """A row back from a CSV record: numbers parsed, empty or missing cells as None."""
+        parsed = {}
+        for field in dataclasses.fields(cls):
+            raw = values.get(field.name) or ""
+            if field.type in ("float", "float | None"):
+                parsed[field.name] = float(raw) if raw != "" else None
+            else:
+                parsed[field.name] = raw
+        return cls(**parsed)
+
+
+def device_name(device: str | torch.device = "cuda") -> str:
+    """Human name of the device: 'NVIDIA H100 80GB HBM3' or 'cpu'."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def device_slug(device: str | torch.device = "cuda") -> str:
+    """File-name form of the device: 'h100', 'h200', 'a100', or 'cpu'."""
+    name = device_name(device).lower()
+    match = re.search(r"\b([abhl]\d{2,3}|b200|gb200)\b", name)
+    if match:
+        return match.group(1)
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def timestamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_csv(rows: Iterable[Row], path: str | Path) -> Path:
+    """Write rows to ``path`` with the shared schema; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row.as_dict())
+    return path
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    with Path(path).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_rows(path: str | Path) -> list[Row]:
+    return [Row.from_dict(record) for record in read_csv(path)]
+
+
+def _number(value: float | None, fmt: str) -> str:
+    return "" if value is None or math.isnan(value) else format(value, fmt)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """One line per row; a ``±std`` after p50 and a memory column where rows carry them."""
+    with_memory = any(r.memory_gib is not None for r in rows)
+    head = "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline | vs baseline |"
+    rule = "|---|---|---|---|---|---:|---:|---:|---:|"
+    lines = [head + (" memory GiB |" if with_memory else ""), rule + ("---:|" if with_memory else "")]
+    for r in rows:
+        p50 = "" if math.isnan(r.p50) else f"{r.p50:.4g} {r.unit}"
+        if r.std is not None and p50:
+            p50 = f"{r.p50:.4g} ± {r.std:.2g} {r.unit}"
+        throughput = f"{r.throughput:.4g} {r.throughput_unit}" if r.throughput else ""
+        line = (
+            f"| {r.kernel} | {r.mode} | {r.dtype} | {r.x} | {r.provider} | {p50 or r.config} | "
+            f"{throughput} | {_number(r.roofline_fraction, '.0%')} | "
+            f"{_number(r.speedup_vs_baseline, '.2f') + ('x' if r.speedup_vs_baseline else '')} |"
+        )
+        lines.append(line + (f" {_number(r.memory_gib, '.2f')} |" if with_memory else ""))
+    return "\n".join(lines)

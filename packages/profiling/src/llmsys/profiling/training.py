@@ -1,0 +1,77 @@
+"""What every benchmark does with the model: random batches, mixed precision, loss, optimizer.
+
+These are the same few lines a training script has; the benchmarks share them so that a forward,
+a backward and an optimizer step mean the same thing in ``e2e``, ``memory`` and ``profile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+DTYPES = ("fp32", "bf16")  # bf16 = float32 weights under torch.autocast(bfloat16)
+OPTIMIZERS = ("adamw-fused", "adamw-foreach", "adamw-llmsys")
+
+
+def autocast(dtype: str, device: str | torch.device):
+    """``torch.autocast`` to bfloat16 for ``dtype="bf16"``; nothing for ``"fp32"``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"autocast: `dtype` must be one of {DTYPES}, got {dtype!r}")
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
+
+
+def random_batch(
+    config: ModelConfig, batch_size: int, seq_len: int, device: str | torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (tokens, next-token targets), each (batch_size, seq_len) int64."""
+    if seq_len > config.context_length:
+        raise ValueError(
+            f"random_batch: `seq_len` must be at most context_length={config.context_length}, "
+            f"got {seq_len}"
+        )
+    data = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
+    return data[:, :-1], data[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def make_optimizer(model: torch.nn.Module, name: str = "adamw-fused", lr: float = 1e-4):
+    """AdamW (weight decay 0.1, betas (0.9, 0.95)) over ``model``'s parameters.
+
+    ``name``: "adamw-fused" (PyTorch's fused CUDA kernel; foreach on CPU), "adamw-foreach"
+    (PyTorch's multi-tensor loops) or "adamw-llmsys" (this package's readable
+    :class:`~llmsys.profiling.optimizer.AdamW`, one parameter at a time).
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"make_optimizer: `name` must be one of {OPTIMIZERS}, got {name!r}")
+    options = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    if name == "adamw-llmsys":
+        from .optimizer import AdamW
+
+        return AdamW(model.parameters(), **options)
+    on_cuda = next(model.parameters()).is_cuda
+    if name == "adamw-fused" and on_cuda:
+        return torch.optim.AdamW(model.parameters(), fused=True, **options)
+    return torch.optim.AdamW(model.parameters(), foreach=True, **options)
+
+
+def synchronize(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for CUDA out-of-memory errors, however PyTorch or cuBLAS phrased them."""
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or any(
+        marker in text for marker in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+    )
