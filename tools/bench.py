@@ -1,17 +1,27 @@
-"""The main job without nox: `python tools/bench.py --help` (a GPU host's own python works)."""
+"""The main job without nox: `python tools/bench.py --help` (a GPU host's own python works).
+
+Everything runs under the ``__main__`` guard: sweeps start spawned worker processes (the int8
+GEMM's parallel precompile), and a spawned worker re-runs this file as ``__mp_main__``; without
+the guard every worker would run the whole main job again.
+"""
 
 import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llmsys_dev.workspace import source_paths
+def main() -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from llmsys_dev.workspace import source_paths
 
-sys.path[:0] = source_paths()
-if not __import__("torch").cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module imports triton
+    sys.path[:0] = source_paths()
+    if not __import__("torch").cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module imports triton
 
-from llmsys_bench.report import main  # noqa: E402
+    from llmsys_bench.report import main as run_main_job
 
-sys.exit(main())
+    return run_main_job()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llmsys_bench.compare import main
+from llmsys_bench.compare import main  # noqa: E402
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

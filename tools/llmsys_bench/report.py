@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from llmsys.profiling.report import table_section
+
 from . import harness
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,29 +34,10 @@ def load_sweep(package_path: Path):
     return module
 
 
-def markdown_table(rows: list[harness.Row]) -> str:
-    lines = [
-        "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline "
-        "| vs baseline |",
-        "|---|---|---|---|---|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        throughput = f"{r.throughput:.2f} {r.throughput_unit}" if r.throughput else ""
-        fraction = f"{r.roofline_fraction:.0%}" if r.roofline_fraction else ""
-        speedup = f"{r.speedup_vs_baseline:.2f}x" if r.speedup_vs_baseline else ""
-        lines.append(
-            f"| {r.kernel} | {r.mode} | {r.dtype} | {r.x} | {r.provider} | {r.p50:.4g} {r.unit} | "
-            f"{throughput} | {fraction} | {speedup} |"
-        )
-    return "\n".join(lines)
+def _takes_full(sweep) -> bool:
+    import inspect
 
-
-def table_section(rows: list[harness.Row], shown: list[harness.Row], csv_name: str) -> str:
-    """The markdown table of ``shown``, saying how many of ``rows`` are only in the CSV."""
-    table = markdown_table(shown)
-    if len(shown) < len(rows):
-        table += f"\n\n{len(shown)} of {len(rows)} rows; all of them are in `{csv_name}`."
-    return table
+    return "full" in inspect.signature(sweep.run).parameters
 
 
 def _committed(package, slug: str) -> list[dict]:
@@ -67,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "reports", help="report folder")
     parser.add_argument("--package", action="append", help="only these packages (repeatable)")
     parser.add_argument("--quick", action="store_true", help="smallest cases only")
+    parser.add_argument(
+        "--full", action="store_true", help="the long sweeps too (sweeps whose run takes `full`)"
+    )
     parser.add_argument(
         "--from-results",
         metavar="GPU",
@@ -108,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 with tqdm(desc=f"  {package.name}", unit="case", leave=False) as inner:
                     quick = args.quick or device == "cpu"
-                    rows = sweep.run(device, quick=quick, progress=inner.update)
+                    extra = {"full": True} if args.full and _takes_full(sweep) else {}
+                    rows = sweep.run(device, quick=quick, progress=inner.update, **extra)
             csv_path = harness.write_csv(rows, out / f"{package.name}.csv")
             picture = ""
             if hasattr(sweep, "plot") and rows:

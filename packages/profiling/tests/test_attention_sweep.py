@@ -126,6 +126,15 @@ def test_causal_flops():
     assert attention_sweep.causal_flops(1, 2, 1, "backward") == 30
 
 
+def test_roofline_uses_the_precision_each_impl_multiplies_in(monkeypatch):
+    assert attention_sweep.peak_flops("flash", "fp32", "cpu") == (None, "tf32")  # no peak on cpu
+    monkeypatch.setattr(attention_sweep.results, "device_slug", lambda device: "h100")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert attention_sweep.peak_flops("flash", "fp32", "cuda") == (494.7e12, "tf32")
+    assert attention_sweep.peak_flops("naive", "fp32", "cuda") == (66.9e12, "fp32")
+    assert attention_sweep.peak_flops("sdpa", "bf16", "cuda") == (989.4e12, "bf16")
+
+
 def test_help_exits_zero(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["attention", "--help"])

@@ -9,7 +9,8 @@ the baseline of the speedup column), ``compiled`` (``torch.compile`` of it, one 
 ``sdpa`` (``F.scaled_dot_product_attention(is_causal=True)``) and ``flash``
 (``llmsys.flash_attn2.flash_attention(causal=True)``, Triton FlashAttention-2).
 
-Method, per case and implementation, after ``--warmup`` untimed forward + backward passes:
+Method, per case and implementation (fresh random inputs, ``--warmup`` untimed passes before
+each timed phase; the first call of ``compiled`` compiles):
 - forward: ``--passes`` forwards, each timed alone (the device is synchronized before it; CUDA
   events around it, or the wall clock on CPU). Inputs require grad, so each forward also saves
   what its backward needs, as in training.
@@ -20,7 +21,8 @@ Method, per case and implementation, after ``--warmup`` untimed forward + backwa
   ``torch.autograd.grad(out, (q, k, v), dout)`` timed (no gradient accumulation into ``.grad``).
 Rows give p20 / p50 / p80 of the per-call times, TFLOP/s of the causal FLOPs (forward
 2 * 2 * B * N(N+1)/2 * d, backward 2.5x that; the same count for every implementation, so the
-naive one's masked-out half is not credited), the fraction of the GPU's matmul peak, and the
+naive one's masked-out half is not credited), its fraction of the GPU's dense matmul peak in the
+precision the implementation multiplies in (TF32 for fp32 ``flash``; see ``peak_flops``), and the
 speedup over ``naive`` in the same case and mode. A case that runs out of memory gets a row
 with NaN times and config ``OOM`` (a backward OOM keeps its forward row) and the sweep goes on.
 Writes ``attention.png`` (time vs seq, log-log, one panel per d) when matplotlib is installed.
@@ -125,6 +127,21 @@ def causal_flops(batch: int, seq: int, d: int, mode: str) -> float:
     return forward if mode == "forward" else 2.5 * forward
 
 
+def peak_flops(impl: str, dtype: str, device) -> tuple[float | None, str]:
+    """(dense matmul peak FLOP/s of the precision ``impl`` multiplies in, its name).
+
+    The peak is None off CUDA or on a GPU ``accounting.PEAK_TFLOPS`` does not know. In fp32,
+    ``flash`` runs its dots in TF32 whatever PyTorch's setting; the others are taken to follow
+    ``torch.backends.cuda.matmul.allow_tf32`` (off by default: plain fp32).
+    """
+    tf32 = impl == "flash" or torch.backends.cuda.matmul.allow_tf32
+    precision = "bf16" if dtype == "bf16" else "tf32" if tf32 else "fp32"
+    if torch.device(device).type != "cuda":
+        return None, precision
+    peaks = accounting.PEAK_TFLOPS.get(results.device_slug(device))
+    return (peaks[precision] * 1e12 if peaks else None), precision
+
+
 def _time_calls(call: Callable, passes: int, device, prepare: Callable | None = None):
     """Milliseconds of each of ``passes`` runs of ``call(prepare())``; ``prepare`` is untimed.
 
@@ -195,9 +212,7 @@ def _quantiles(times: list[float]) -> tuple[float, float, float]:
 def case_rows(impl, batch, seq, d, args, passes, measured) -> list[results.Row]:
     """A forward and a backward row of one (impl, d, seq); NaN times and config OOM if none."""
     gpu, stamp = results.device_name(args.device), results.timestamp()
-    peak = None
-    if torch.device(args.device).type == "cuda":
-        peak, _ = accounting.peak_flops(results.device_slug(args.device), args.dtype)
+    peak, precision = peak_flops(impl, args.dtype, args.device)
     rows = []
     for mode in ("forward", "backward"):
         common = dict(
@@ -216,7 +231,8 @@ def case_rows(impl, batch, seq, d, args, passes, measured) -> list[results.Row]:
                 p20=p20, p50=p50, p80=p80,
                 throughput=tflops, throughput_unit="TFLOP/s",
                 roofline_fraction=tflops * 1e12 / peak if peak else None,
-                config=f"batch={batch} heads=1 passes={passes} warmup={args.warmup}",
+                config=f"batch={batch} heads=1 passes={passes} warmup={args.warmup}; "
+                f"roofline: {precision} matmul peak",
                 mean=statistics.mean(times),
                 std=statistics.stdev(times) if len(times) > 1 else 0.0,
                 memory_gib=measured["memory_gib"] if mode == "forward" else None,
@@ -259,7 +275,8 @@ def plot(rows: list[results.Row], path: str | Path) -> Path:
                     ax.plot(seqs, times, style, marker="o", color=f"C{i}", label=f"{impl} {mode}")
         ax.set_xscale("log", base=2)
         ax.set(yscale="log", title=f"d={d}", xlabel="seq len", ylabel="ms (p50)")
-        ax.legend(fontsize="small")
+        if ax.lines:  # a panel can be empty when every case ran out of memory
+            ax.legend(fontsize="small")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

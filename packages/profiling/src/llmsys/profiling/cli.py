@@ -33,7 +33,8 @@ SUBCOMMANDS = {
 }
 
 
-def _module(name: str):
+def subcommand(name: str):
+    """The module that implements subcommand ``name``."""
     return importlib.import_module(f"{__package__}.{SUBCOMMANDS[name]}")
 
 
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     for name in SUBCOMMANDS:
-        module = _module(name)
+        module = subcommand(name)
         sub = commands.add_parser(
             name,
             help=module.HELP,
@@ -79,7 +80,7 @@ def emit(rows: list[results.Row], out: Path, name: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module = _module(args.command)
+    module = subcommand(args.command)
     rows = module.run(args)
     if args.command != "report":
         emit(rows, args.out, args.command)

@@ -21,6 +21,10 @@ from .config import ModelConfig
 INIT_STD = 0.02
 
 
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, computed in float32 and returned in ``x``'s dtype."""
 
@@ -30,28 +34,34 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        wide = x.to(_at_least_float32(x.dtype))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotates each (i, i + d/2) pair of q and k by ``position * theta^(-2i/d)``.
 
-    The cos/sin tables are float32 buffers (not saved in the state dict, rebuilt from the config).
+    The cos/sin tables are buffers (not saved in the state dict, rebuilt from the config), in
+    float32, or float64 for a float64 model; the rotation runs in at least float32.
     """
 
-    def __init__(self, head_dim: int, context_length: int, theta: float, *, device=None) -> None:
+    def __init__(
+        self, head_dim: int, context_length: int, theta: float, *, device=None, dtype=None
+    ) -> None:
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-        angles = torch.outer(torch.arange(context_length, device=device).float(), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)  # (context, d/2)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
+        positions = torch.arange(context_length, device=device, dtype=torch.float64)
+        angles = torch.outer(positions, theta**-exponents)  # (context, d/2)
+        table_dtype = _at_least_float32(dtype or torch.get_default_dtype())
+        self.register_buffer("cos", angles.cos().to(table_dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(table_dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq, half = x.shape[-2], x.shape[-1] // 2
         cos, sin = self.cos[:seq], self.sin[:seq]  # (T, d/2)
-        x1, x2 = x[..., :half].float(), x[..., half:].float()  # (B, H, T, d/2) each
+        wide = _at_least_float32(x.dtype)
+        x1, x2 = x[..., :half].to(wide), x[..., half:].to(wide)  # (B, H, T, d/2) each
         rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
         return rotated.to(x.dtype)  # (B, H, T, d)
 
@@ -64,7 +74,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False, **factory)
         self.output_proj = nn.Linear(config.d_model, config.d_model, bias=False, **factory)
         self.rope = RotaryEmbedding(
-            config.head_dim, config.context_length, config.rope_theta, device=device
+            config.head_dim, config.context_length, config.rope_theta, **factory
         )
         self.attend = ATTENTION_FUNCTIONS[config.attention]
 

@@ -1,0 +1,122 @@
+"""Profiling sweep: the Transformer LM end to end (the targets), memory, profiler, attention and
+precision, through the same code as ``llmsys-bench``. Writes ``results/<gpu>.csv`` (the shared
+schema) and ``results/<gpu>.png``; the ``bench`` main job calls :func:`run`.
+
+On a GPU, the default runs the cases the targets name (medium and xl at context 1024, batch 4,
+bf16 autocast, train step; eager / compiled / llmsys presets), the warm-up effect, the memory
+table of the small model, a profile, the attention sweep over d in {16..128} and seq up to
+16384 and the precision tables; ``--full`` adds every size at contexts 128 to 1024 for every
+preset and the memory table of the medium model. On a CPU: the tiny model, each subcommand once.
+Traces, snapshots and the memory timeline go to ``results/<gpu>-artifacts/`` (not committed).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
+
+from llmsys.profiling import cli
+from llmsys_bench import harness
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
+    """The llmsys-bench command lines this sweep runs on ``device``."""
+    if device != "cuda" or quick:
+        tiny = ["--size", "tiny", "--context-length", "32", "--batch-size", "2"]
+        return [
+            ["e2e", *tiny, "--preset", "eager", "compiled", "--steps", "2", "--warmup", "1"],
+            ["memory", *tiny, "--dtype", "fp32"],
+            ["profile", *tiny, "--preset", "eager", "--steps", "1", "--warmup", "1"],
+            ["attention", "--head-dim", "16", "--seq-len", "32", "--passes", "2"],
+            ["precision"],
+        ]
+    presets = ["--preset", "eager", "compiled", "llmsys"]
+    target = ["--context-length", "1024", "--batch-size", "4", "--dtype", "bf16"]
+    runs = [
+        ["e2e", "--size", "medium", *target, *presets],
+        ["e2e", "--size", "medium", *target, "--attention", "flash", "--ffn", "swiglu",
+         "--no-compile"],
+        ["e2e", "--size", "xl", *target, "--preset", "compiled", "llmsys"],
+        ["e2e", "--size", "small", "--context-length", "512", "--preset", "eager", "compiled",
+         "--warmup", "0", "1", "2", "5"],
+        ["memory", "--size", "small"],
+        ["profile", "--size", "small", "--context-length", "512", "--preset", "eager"],
+        ["attention"],
+        ["precision"],
+    ]  # fmt: skip
+    if full:
+        sizes = ["small", "medium", "large", "xl", "2.7B"]
+        contexts = ["128", "256", "512", "1024"]
+        runs += [
+            ["e2e", "--size", *sizes, "--context-length", *contexts, *presets],
+            ["memory", "--size", "medium"],
+        ]
+    return runs
+
+
+def run(device: str = "cuda", *, quick: bool = False, progress=None, full: bool = False):
+    """Run every command; the rows of all of them, in the shared schema."""
+    out = RESULTS / f"{harness.device_slug(device)}-artifacts"
+    parser = cli.build_parser()
+    rows = []
+    for argv in commands(device, quick, full):
+        args = parser.parse_args([*argv, "--device", device, "--out", str(out)])
+        rows += cli.subcommand(argv[0]).run(args)
+        if progress:
+            progress()
+    return rows
+
+
+def report_rows(rows: list[harness.Row]) -> list[harness.Row]:
+    """The report shows the step rows of e2e (phases, memory and profiles stay in the CSV)."""
+    return [r for r in rows if r.kernel in ("transformer_lm", "transformer_lm/memory")]
+
+
+def plot(rows: list[harness.Row], path: Path) -> Path:
+    """Tokens/s and MFU of each e2e case and provider (bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r for r in rows if r.kernel == "transformer_lm" and r.throughput]
+    cases = list(dict.fromkeys(f"{r.x} {r.mode} {r.dtype} {r.config.split(';')[0]}" for r in steps))
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.2 * len(cases)), 8), squeeze=False)
+    providers = list(dict.fromkeys(r.provider for r in steps))
+    width = 0.8 / max(1, len(providers))
+    for i, provider in enumerate(providers):
+        by_case = {
+            f"{r.x} {r.mode} {r.dtype} {r.config.split(';')[0]}": r
+            for r in steps
+            if r.provider == provider
+        }
+        xs = [j + i * width for j, case in enumerate(cases) if case in by_case]
+        chosen = [by_case[case] for case in cases if case in by_case]
+        axes[0][0].bar(xs, [r.throughput for r in chosen], width, label=provider)
+        axes[1][0].bar(xs, [(r.roofline_fraction or 0) * 100 for r in chosen], width)
+    for ax, label in zip(axes[:, 0], ("tokens / s", "MFU %"), strict=True):
+        ax.set_xticks(range(len(cases)), cases, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=8)
+    return harness.save_figure(fig, path, "Transformer LM end to end")
+
+
+def main() -> None:
+    parser = harness.sweep_arguments(__doc__.splitlines()[0], RESULTS, "the tiny model only")
+    parser.add_argument("--full", action="store_true", help="every size and context (long)")
+    args = parser.parse_args()
+    if args.replot:
+        print(harness.replot(args.replot, plot))
+        return
+    rows = run(args.device, quick=args.quick, full=args.full)
+    csv = harness.write_csv(rows, args.out / f"{harness.device_slug(args.device)}.csv")
+    print(f"wrote {csv} and {plot(rows, csv.with_suffix('.png'))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""`llmsys-bench e2e` on the tiny model: its CSV, its OOM handling, its argument checks."""
+
+import math
+
+import pytest
+import torch
+
+from llmsys.profiling import cli, e2e, results
+
+TINY_ARGS = ["--device", "cpu", "--size", "tiny", "--context-length", "16", "--batch-size", "2"]
+
+
+def test_e2e_writes_a_step_row_and_a_row_per_phase(tmp_path, capsys):
+    argv = ["e2e", *TINY_ARGS, "--attention", "sdpa", "--steps", "2", "--warmup", "0", "1"]
+    assert cli.main([*argv, "--mode", "forward", "train-step", "--out", str(tmp_path)]) == 0
+    rows = results.read_rows(tmp_path / "e2e.csv")
+    steps = [r for r in rows if r.kernel == "transformer_lm"]
+    assert {(r.mode, r.config.split()[0]) for r in steps} == {
+        (mode, f"warmup={w}") for mode in ("forward", "train-step") for w in (0, 1)
+    }
+    for row in steps:
+        assert row.p50 > 0 and row.mean > 0 and row.std >= 0
+        assert row.throughput == pytest.approx(2 * 16 / (row.mean / 1e3))  # tokens/s
+        phases = [r for r in rows if r.kernel.startswith("transformer_lm/") and r.x == row.x
+                  and r.mode == row.mode and r.config.startswith(row.config.split(";")[0])]  # fmt: skip
+        names = {r.kernel.split("/")[1] for r in phases}
+        assert names == set(e2e.PHASES[row.mode])
+        # the phases of a step add up to the step (same samples)
+        assert sum(r.mean for r in phases) == pytest.approx(row.mean, rel=1e-9)
+    assert "| transformer_lm | train-step |" in capsys.readouterr().out
+
+
+def test_presets_pick_their_parts_and_compare_with_the_first(tmp_path):
+    argv = ["e2e", *TINY_ARGS, "--preset", "eager", "compiled", "--steps", "1", "--warmup", "1"]
+    cli.main([*argv, "--out", str(tmp_path)])
+    steps = [r for r in results.read_rows(tmp_path / "e2e.csv") if r.kernel == "transformer_lm"]
+    assert [r.provider for r in steps] == ["eager", "compiled"]
+    assert steps[0].speedup_vs_baseline == 1.0
+    assert steps[1].speedup_vs_baseline == pytest.approx(steps[0].mean / steps[1].mean)
+    assert "compile=True" in steps[1].config and "compile=False" in steps[0].config
+
+
+def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    real_step = e2e.Runner.step
+
+    def step(self):
+        if self.config.context_length == 16:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(self)
+
+    monkeypatch.setattr(e2e.Runner, "step", step)
+    argv = ["e2e", *TINY_ARGS[:-4], "--context-length", "16", "8", "--batch-size", "2"]
+    cli.main([*argv, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    rows = results.read_rows(tmp_path / "e2e.csv")
+    oom = [r for r in rows if "ctx=16" in r.x]
+    assert len(oom) == 1 and oom[0].config.startswith("OOM") and math.isnan(oom[0].p50)
+    assert any("ctx=8" in r.x and r.p50 > 0 for r in rows)
+
+
+def test_other_errors_are_not_swallowed(monkeypatch, tmp_path):
+    def step(self):
+        raise RuntimeError("shape mismatch somewhere")
+
+    monkeypatch.setattr(e2e.Runner, "step", step)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        cli.main(["e2e", *TINY_ARGS, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+
+
+def test_int8_is_refused_outside_inference(tmp_path):
+    with pytest.raises(ValueError, match="int8 linears are inference-only"):
+        cli.main(["e2e", *TINY_ARGS, "--int8", "--steps", "1", "--out", str(tmp_path)])
+
+
+def test_every_subcommand_has_help(capsys):
+    for name in [None, *cli.SUBCOMMANDS]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([name, "--help"] if name else ["--help"])
+        assert exit_info.value.code == 0
+        assert "usage: llmsys-bench" in capsys.readouterr().out
+
+
+def test_bad_numbers_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--steps and --batch-size must be >= 1"):
+        cli.main(["e2e", *TINY_ARGS, "--steps", "0", "--out", str(tmp_path)])

@@ -1,0 +1,60 @@
+"""The main job survives sweeps that start spawned worker processes.
+
+A spawned worker re-runs the parent's main script as ``__mp_main__`` (multiprocessing's spawn
+start method). The int8 sweep's parallel precompile does that; when ``tools/bench.py`` ran the
+main job at import, every worker ran every sweep again on the GPU and the pool broke.
+"""
+
+import ast
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(
+    [*ROOT.glob("tools/*.py"), *ROOT.glob("packages/*/benchmarks/*.py"), ROOT / "noxfile.py"]
+)
+
+
+def test_a_worker_spawned_under_the_main_job_does_not_rerun_it(monkeypatch):
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__spec__", None, raising=False)  # spawn then runs __file__
+    monkeypatch.setattr(main, "__file__", str(ROOT / "tools" / "bench.py"), raising=False)
+    # The worker inherits pytest's argv: a main job run in it would exit with a usage error.
+    worker = multiprocessing.get_context("spawn").Process(target=os.getpid)
+    worker.start()
+    worker.join(timeout=120)
+    if worker.is_alive():
+        worker.kill()
+        pytest.fail("the spawned worker hung")
+    assert worker.exitcode == 0
+
+
+def _side_effects(path: Path, root: Path = ROOT) -> list[str]:
+    """Top-level statements that call one of the script's own functions or sys.exit."""
+    tree = ast.parse(path.read_text())
+    own = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.If, ast.FunctionDef, ast.ClassDef)):
+            continue  # the `if __name__ == "__main__":` guard, and what only runs when called
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            name = ast.unparse(call.func)
+            if name in own or name == "sys.exit":
+                found.append(f"{path.relative_to(root)}:{call.lineno}: {name}()")
+    return found
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_scripts_do_their_work_only_under_the_main_guard(script):
+    assert _side_effects(script) == []
+
+
+def test_the_check_sees_an_unguarded_call(tmp_path):
+    script = tmp_path / "bench.py"
+    script.write_text("import sys\n\ndef main():\n    return 0\n\nsys.exit(main())\n")
+    assert len(_side_effects(script, root=tmp_path)) == 2
+
