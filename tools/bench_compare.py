@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llmsys_bench.compare import main  # noqa: E402
+from llmsys_bench.compare import main
 
 if __name__ == "__main__":
     sys.exit(main())

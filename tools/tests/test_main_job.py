@@ -57,4 +57,3 @@ def test_the_check_sees_an_unguarded_call(tmp_path):
     script = tmp_path / "bench.py"
     script.write_text("import sys\n\ndef main():\n    return 0\n\nsys.exit(main())\n")
     assert len(_side_effects(script, root=tmp_path)) == 2
-

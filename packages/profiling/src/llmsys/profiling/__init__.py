@@ -1,8 +1,15 @@
-"""A Transformer LM with switchable llmsys kernels, and the benchmarks that run it (llmsys-bench)."""
+"""A Transformer LM with switchable llmsys kernels, and the benchmarks that run it."""
 
 from .config import SIZES, ModelConfig
 from .model import TransformerLM, num_parameters, use_int8_linears
 
 __version__ = "0.1.0"
 
-__all__ = ["SIZES", "ModelConfig", "TransformerLM", "__version__", "num_parameters", "use_int8_linears"]
+__all__ = [
+    "SIZES",
+    "ModelConfig",
+    "TransformerLM",
+    "__version__",
+    "num_parameters",
+    "use_int8_linears",
+]

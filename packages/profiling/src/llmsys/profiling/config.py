@@ -78,8 +78,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: `ffn` must be one of {FFN}, got {self.ffn!r}")
         if self.ffn == "moe" and not 1 <= self.topk <= self.num_experts:
             raise ValueError(
-                f"ModelConfig: `topk` must be in 1..num_experts={self.num_experts}, "
-                f"got {self.topk}"
+                f"ModelConfig: `topk` must be in 1..num_experts={self.num_experts}, got {self.topk}"
             )
 
     @property
@@ -88,10 +87,13 @@ class ModelConfig:
 
     @classmethod
     def named(cls, size: str, **overrides) -> ModelConfig:
-        """The config of a named size (``tiny``, ``small``, ``medium``, ``large``, ``xl``, ``2.7B``),
-        with any field overridden: ``ModelConfig.named("xl", attention="flash")``."""
+        """The config of a named size (a key of ``SIZES``: ``tiny``, ``small``, ``medium``,
+        ``large``, ``xl``, ``2.7B``), with any field overridden:
+        ``ModelConfig.named("xl", attention="flash")``."""
         if size not in SIZES:
-            raise ValueError(f"ModelConfig.named: `size` must be one of {list(SIZES)}, got {size!r}")
+            raise ValueError(
+                f"ModelConfig.named: `size` must be one of {list(SIZES)}, got {size!r}"
+            )
         d_model, d_ff, num_layers, num_heads = SIZES[size]
         sizes = dict(d_model=d_model, d_ff=d_ff, num_layers=num_layers, num_heads=num_heads)
         return cls(**(sizes | overrides))

@@ -56,8 +56,12 @@ class Runner:
         self.model = TransformerLM(self.config, device=device)
         if variant.int8:
             self.model = use_int8_linears(self.model.to(torch.bfloat16))
-        self.call = torch.compile(self.model) if variant.compile else self.model
-        self.optimizer = make_optimizer(self.model, variant.optimizer) if mode == "train-step" else None
+        self.call = self.model
+        if variant.compile:
+            self.call = torch.compile(self.model, mode=variant.compile_mode)
+        self.optimizer = (
+            make_optimizer(self.model, variant.optimizer) if mode == "train-step" else None
+        )
         self.tokens, self.targets = random_batch(self.config, batch, context, device)
 
     def step(self) -> dict[str, float]:
@@ -71,6 +75,8 @@ class Runner:
             now = time.perf_counter()
             times[phase], start = (now - start) * 1e3, now
 
+        if self.variant.compile and self.variant.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # last step's graph outputs may go
         dtype = "fp32" if self.variant.int8 else self.variant.dtype  # int8 runs bf16 weights
         with record_function("forward"):
             with torch.set_grad_enabled(self.mode != "forward"), autocast(dtype, self.device):
@@ -128,7 +134,8 @@ def case_rows(
     gpu, stamp = results.device_name(device), results.timestamp()
     x = f"{size} ctx={context} batch={batch}"
     common = dict(provider=variant.label, x=x, dtype=variant.dtype, gpu=gpu, timestamp=stamp)
-    settings = f"warmup={warmup} steps={steps} compile={variant.compile} opt={variant.optimizer}"
+    compiled = f"{variant.compile}" + (f"/{variant.compile_mode}" if variant.compile else "")
+    settings = f"warmup={warmup} steps={steps} compile={compiled} opt={variant.optimizer}"
     if measured is None:
         nan = float("nan")
         return [
@@ -146,7 +153,7 @@ def case_rows(
         results.Row(
             kernel="transformer_lm",
             mode=mode,
-            **dict(zip(("p20", "p50", "p80"), _quantiles(step_ms))),
+            **dict(zip(("p20", "p50", "p80"), _quantiles(step_ms), strict=True)),
             throughput=tokens_per_s,
             throughput_unit="tok/s",
             roofline_fraction=mfu,
@@ -164,7 +171,7 @@ def case_rows(
             results.Row(
                 kernel=f"transformer_lm/{phase}",
                 mode=mode,
-                **dict(zip(("p20", "p50", "p80"), _quantiles(times))),
+                **dict(zip(("p20", "p50", "p80"), _quantiles(times), strict=True)),
                 config=settings,
                 mean=statistics.mean(times),
                 std=statistics.stdev(times) if len(times) > 1 else 0.0,
@@ -185,6 +192,7 @@ def run(args) -> list[results.Row]:
         for variant in variants(args, dtype)
     ]
     rows, baselines = [], {}
+
     def label(case) -> str:
         size, context, mode, dtype, warmup, variant = case
         return f"{size} ctx={context} {mode} {dtype} warmup={warmup} {variant.label}"

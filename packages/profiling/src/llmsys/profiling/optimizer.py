@@ -55,4 +55,3 @@ class AdamW(torch.optim.Optimizer):
                 denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
                 p.addcdiv_(m, denom, value=-step_size)
         return loss
-

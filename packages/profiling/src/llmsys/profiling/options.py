@@ -22,6 +22,9 @@ PRESETS = {
     "compiled": dict(attention="sdpa", ffn="eager", compile=True),
     "llmsys": dict(attention="flash", ffn="swiglu", compile=True),
 }
+# torch.compile modes: "default"; "reduce-overhead" replays CUDA graphs (no per-kernel launch
+# cost on the host); "max-autotune-no-cudagraphs" tunes Inductor's matmuls (minutes to compile).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +34,7 @@ class Variant:
     attention: str = "sdpa"
     ffn: str = "eager"
     compile: bool = False
+    compile_mode: str = "default"
     dtype: str = "bf16"
     optimizer: str = "adamw-fused"
     checkpoint: bool = False
@@ -43,6 +47,7 @@ class Variant:
         parts = [
             self.preset or f"{self.attention}+{self.ffn}",
             "compiled" if self.compile and not self.preset else "",
+            self.compile_mode if self.compile and self.compile_mode != "default" else "",
             "int8" if self.int8 else "",
             "ckpt" if self.checkpoint else "",
         ]
@@ -79,6 +84,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, contexts=(1024,), si
     parser.add_argument(
         "--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile"
     )
+    parser.add_argument(
+        "--compile-mode", choices=COMPILE_MODES, help="torch.compile mode (default: the preset's)"
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-fused")
     parser.add_argument(
         "--checkpoint",
@@ -95,7 +103,7 @@ def variants(args: argparse.Namespace, dtype: str) -> list[Variant]:
     """The variants the arguments ask for: one per preset, or one from the switches alone."""
     switches = {
         key: getattr(args, key)
-        for key in ("attention", "ffn", "compile")
+        for key in ("attention", "ffn", "compile", "compile_mode")
         if getattr(args, key, None) is not None
     }
     common = dict(

@@ -80,7 +80,11 @@ def transformer_lm_reference(
             if config.ffn == "moe":
                 x = x + _moe(h, w, f"{b}.ffn", config)
             else:
-                weights = (w[f"{b}.ffn.w1.weight"], w[f"{b}.ffn.w3.weight"], w[f"{b}.ffn.w2.weight"])
+                weights = (
+                    w[f"{b}.ffn.w1.weight"],
+                    w[f"{b}.ffn.w3.weight"],
+                    w[f"{b}.ffn.w2.weight"],
+                )
                 x = x + _swiglu(h, *weights)
         x = _rms_norm(x, w["final_norm.weight"], config.norm_eps)
         logits.append(x @ w["lm_head.weight"].T)

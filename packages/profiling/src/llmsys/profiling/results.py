@@ -131,9 +131,14 @@ def _number(value: float | None, fmt: str) -> str:
 def markdown_table(rows: list[Row]) -> str:
     """One line per row; a ``±std`` after p50 and a memory column where rows carry them."""
     with_memory = any(r.memory_gib is not None for r in rows)
-    head = "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline | vs baseline |"
+    head = (
+        "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline | vs baseline |"
+    )
     rule = "|---|---|---|---|---|---:|---:|---:|---:|"
-    lines = [head + (" memory GiB |" if with_memory else ""), rule + ("---:|" if with_memory else "")]
+    lines = [
+        head + (" memory GiB |" if with_memory else ""),
+        rule + ("---:|" if with_memory else ""),
+    ]
     for r in rows:
         p50 = "" if math.isnan(r.p50) else f"{r.p50:.4g} {r.unit}"
         if r.std is not None and p50:
