@@ -2,11 +2,12 @@
 precision, through the same code as ``llmsys-bench``. Writes ``results/<gpu>.csv`` (the shared
 schema) and ``results/<gpu>.png``; the ``bench`` main job calls :func:`run`.
 
-On a GPU, the default runs the cases the targets name (medium and xl at context 1024, batch 4,
-bf16 autocast, train step; eager / compiled / llmsys presets), the warm-up effect, the memory
-table of the small model, a profile, the attention sweep over d in {16..128} and seq up to
-16384 and the precision tables; ``--full`` adds every size at contexts 128 to 1024 for every
-preset and the memory table of the medium model. On a CPU: the tiny model, each subcommand once.
+On a GPU, the default runs the cases the targets name (medium at context 1024, batch 4, bf16
+autocast, train step: eager / compiled / llmsys presets and compiled with CUDA graphs; xl with
+llmsys), the warm-up effect, the memory table of the small model, two profiles, the attention
+sweep at d 64 and 128 and the precision tables; ``--full`` adds the other compile modes, every
+size at contexts 128 to 1024 for every preset, the medium model's memory table and the whole
+attention grid (d 16 to 128, seq 256 to 16384). On a CPU: the tiny model, each subcommand once.
 Traces, snapshots and the memory timeline go to ``results/<gpu>-artifacts/`` (not committed).
 """
 
@@ -38,23 +39,31 @@ def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
     target = ["--context-length", "1024", "--batch-size", "4", "--dtype", "bf16"]
     runs = [
         ["e2e", "--size", "medium", *target, *presets],
-        ["e2e", "--size", "medium", *target, "--attention", "flash", "--ffn", "swiglu",
-         "--no-compile"],
-        ["e2e", "--size", "xl", *target, "--preset", "compiled", "llmsys"],
-        ["e2e", "--size", "small", "--context-length", "512", "--preset", "eager", "compiled",
+        ["e2e", "--size", "medium", *target, "--preset", "compiled",
+         "--compile-mode", "reduce-overhead"],
+        ["e2e", "--size", "xl", *target, "--preset", "llmsys"],
+        ["e2e", "--size", "small", "--context-length", "512", "--preset", "eager",
          "--warmup", "0", "1", "2", "5"],
         ["memory", "--size", "small"],
         ["profile", "--size", "small", "--context-length", "512", "--preset", "eager"],
-        ["attention"],
+        ["profile", "--size", "medium", *target, "--preset", "compiled"],
+        ["attention", "--head-dim", "64", "128", "--seq-len", "1024", "4096", "16384"],
         ["precision"],
     ]  # fmt: skip
     if full:
         sizes = ["small", "medium", "large", "xl", "2.7B"]
         contexts = ["128", "256", "512", "1024"]
         runs += [
+            ["e2e", "--size", "medium", *target, "--preset", "llmsys", "--compile-mode",
+             "default"],
+            ["e2e", "--size", "medium", *target, "--preset", "llmsys", "--no-compile"],
+            ["e2e", "--size", "xl", *target, "--preset", "compiled"],
+            ["e2e", "--size", "small", "--context-length", "512", "--preset", "llmsys",
+             "--warmup", "0", "1", "2", "5"],
             ["e2e", "--size", *sizes, "--context-length", *contexts, *presets],
             ["memory", "--size", "medium"],
-        ]
+            ["attention"],
+        ]  # fmt: skip
     return runs
 
 
