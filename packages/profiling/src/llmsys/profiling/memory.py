@@ -17,9 +17,10 @@ then measures one step:
 
 One train-step case (``--snapshot N``: the N-th train-step case of the sweep, default the first;
 0: none) is looked at closely. On CUDA, one more step runs with the allocator's history recorded:
-``memory_snapshot.pickle`` (open it at https://pytorch.org/memory_viz), ``memory.png`` (beside ``memory.csv``, so ``llmsys-bench report`` shows it)
-(bytes in use after each allocation event: bytes requested, a few percent under the allocator's
-peak, which counts whole blocks) and the ``--top`` largest allocations of the step with where
+``memory_snapshot.pickle`` (open it at https://pytorch.org/memory_viz), ``memory.png`` (named
+after ``memory.csv``, so ``llmsys-bench report`` shows it beside the table: bytes in use after
+each allocation event, counting bytes requested, a few percent under the allocator's peak, which
+counts whole blocks) and the ``--top`` largest allocations of the step with where
 they were made: the line of Python outside torch, or for the backward's, the autograd node. On
 CPU, only the timeline, drawn from the profiler's events (they carry no stacks).
 """
