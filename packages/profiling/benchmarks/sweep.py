@@ -46,7 +46,7 @@ def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
          "--warmup", "0", "1", "2", "5"],
         ["memory", "--size", "small"],
         ["profile", "--size", "small", "--context-length", "512", "--preset", "eager"],
-        ["profile", "--size", "medium", *target, "--preset", "compiled"],
+        ["profile", "--size", "medium", *target, "--preset", "compiled", "llmsys"],
         ["attention", "--head-dim", "64", "128", "--seq-len", "1024", "4096", "16384"],
         ["precision"],
     ]  # fmt: skip

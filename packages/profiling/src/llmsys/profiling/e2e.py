@@ -128,11 +128,13 @@ def _quantiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def case_rows(
-    variant, size, context, batch, mode, warmup, steps, device, measured, baseline_ms
-) -> list[results.Row]:
-    """A step row (tokens/s, MFU, memory) and one row per phase."""
+    variant, size, context, batch, mode, warmup, steps, device, measured, baseline_ms,
+    warmup_in_case=False,
+) -> list[results.Row]:  # fmt: skip
+    """A step row (tokens/s, MFU, memory) and one row per phase; ``warmup_in_case`` names the
+    warm-up count in the case column (a warm-up sweep)."""
     gpu, stamp = results.device_name(device), results.timestamp()
-    x = f"{size} ctx={context} batch={batch}"
+    x = f"{size} ctx={context} batch={batch}" + (f" warmup={warmup}" if warmup_in_case else "")
     common = dict(provider=variant.label, x=x, dtype=variant.dtype, gpu=gpu, timestamp=stamp)
     compiled = f"{variant.compile}" + (f"/{variant.compile_mode}" if variant.compile else "")
     settings = f"warmup={warmup} steps={steps} compile={compiled} opt={variant.optimizer}"
@@ -214,6 +216,6 @@ def run(args) -> list[results.Row]:
             baselines[key] = statistics.mean(sum(s.values()) for s in measured["samples"])
         rows += case_rows(
             variant, size, context, args.batch_size, mode, warmup, args.steps, args.device,
-            measured, baselines.get(key),
+            measured, baselines.get(key), warmup_in_case=len(args.warmup) > 1,
         )  # fmt: skip
     return rows
