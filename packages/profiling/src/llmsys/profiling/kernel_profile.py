@@ -69,7 +69,12 @@ NAME_WIDTH = 80
 
 def add_arguments(parser) -> None:
     add_model_arguments(parser, contexts=(256,))
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (2)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="untimed steps first (5: CUDA-graph modes record their graphs in the first three)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="steps timed and profiled (3)")
     parser.add_argument("--top", type=int, default=10, help="kernels listed per range (10)")
     parser.add_argument(
