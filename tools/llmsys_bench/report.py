@@ -4,8 +4,10 @@ Each package plugs in by providing ``benchmarks/sweep.py`` with
 ``run(device, *, quick, progress) -> list[harness.Row]`` and, optionally,
 ``skipped(device) -> list[str]`` (what it leaves out here, and why),
 ``plot(rows, path)`` and ``report_rows(rows) -> list[harness.Row]`` (the rows the report's
-table shows; its CSV keeps them all). On a GPU the full sweeps run; on a CPU-only machine a
-small default (Triton under the interpreter, tiny sizes) that still exercises every package.
+table shows; its CSV keeps them all) or ``report_markdown(rows) -> str`` (the section's body,
+for a package whose rows read better as several tables). On a GPU the full sweeps run; on a
+CPU-only machine a small default (Triton under the interpreter, tiny sizes) that still
+exercises every package.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             # A selection that keeps nothing (a CPU run's tiny cases) shows every row.
             shown = (sweep.report_rows(rows) if hasattr(sweep, "report_rows") else rows) or rows
             table = table_section(rows, shown, csv_path.name)
+            if hasattr(sweep, "report_markdown"):
+                table = sweep.report_markdown(rows)
             sections.append(f"## {package.name}\n\nCSV: `{csv_path.name}`\n{picture}\n{table}\n")
             bar.update()
     elapsed = time.perf_counter() - started

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
 
-from llmsys.profiling import cli
+from llmsys.profiling import cli, results
 from llmsys_bench import harness
 
 RESULTS = Path(__file__).parent / "results"
@@ -80,9 +80,29 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None, full: bool 
     return rows
 
 
-def report_rows(rows: list[harness.Row]) -> list[harness.Row]:
-    """The report shows the step rows of e2e (phases, memory and profiles stay in the CSV)."""
-    return [r for r in rows if r.kernel in ("transformer_lm", "transformer_lm/memory")]
+# Report tables: (heading, which rows). Per-kernel profile rows stay in the CSV.
+SECTIONS = [
+    ("End to end (one row per step, then its phases; MFU in `of roofline`)",
+     lambda r: r.kernel.startswith("transformer_lm") and r.kernel != "transformer_lm/memory"),
+    ("Peak memory", lambda r: r.kernel == "transformer_lm/memory"),
+    ("Profiles: wall time per step vs GPU kernel time (the gap is host time)",
+     lambda r: r.kernel == "step"),
+    ("Attention (batch 8, one head, causal)", lambda r: r.kernel == "attention"),
+    ("Precision", lambda r: r.kernel in ("accumulate", "autocast")),
+]  # fmt: skip
+
+
+def report_markdown(rows: list[harness.Row]) -> str:
+    """One table per benchmark; says how many rows only the CSV has."""
+    parts, shown = [], 0
+    for heading, keep in SECTIONS:
+        chosen = [r for r in rows if keep(r)]
+        if chosen:
+            parts.append(f"### {heading}\n\n{results.markdown_table(chosen)}")
+            shown += len(chosen)
+    if shown < len(rows):
+        parts.append(f"{shown} of {len(rows)} rows; the per-kernel profile rows are in the CSV.")
+    return "\n\n".join(parts)
 
 
 def plot(rows: list[harness.Row], path: Path) -> Path:

@@ -128,6 +128,11 @@ def _number(value: float | None, fmt: str) -> str:
     return "" if value is None or math.isnan(value) else format(value, fmt)
 
 
+def _readable(value: float) -> str:
+    """12,345 for large numbers (tokens/s), 4 significant digits otherwise (TB/s, TFLOP/s)."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def markdown_table(rows: list[Row]) -> str:
     """One line per row; a ``±std`` after p50 and a memory column where rows carry them."""
     with_memory = any(r.memory_gib is not None for r in rows)
@@ -143,7 +148,7 @@ def markdown_table(rows: list[Row]) -> str:
         p50 = "" if math.isnan(r.p50) else f"{r.p50:.4g} {r.unit}"
         if r.std is not None and p50:
             p50 = f"{r.p50:.4g} ± {r.std:.2g} {r.unit}"
-        throughput = f"{r.throughput:.4g} {r.throughput_unit}" if r.throughput else ""
+        throughput = f"{_readable(r.throughput)} {r.throughput_unit}" if r.throughput else ""
         line = (
             f"| {r.kernel} | {r.mode} | {r.dtype} | {r.x} | {r.provider} | {p50 or r.config} | "
             f"{throughput} | {_number(r.roofline_fraction, '.0%')} | "
