@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from llmsys.profiling import cli, e2e, results
 
@@ -45,15 +44,7 @@ def test_presets_pick_their_parts_and_compare_with_the_first(tmp_path):
     assert "compile=True" in steps[1].config and "compile=False" in steps[0].config
 
 
-def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
-    real_step = e2e.Runner.step
-
-    def step(self):
-        if self.config.context_length == 16:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_step(self)
-
-    monkeypatch.setattr(e2e.Runner, "step", step)
+def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, oom_at_context_16):
     argv = ["e2e", *TINY_ARGS[:-4], "--context-length", "16", "8", "--batch-size", "2"]
     cli.main([*argv, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
     rows = results.read_rows(tmp_path / "e2e.csv")

@@ -5,11 +5,10 @@ import math
 from types import SimpleNamespace
 
 import pytest
-import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Kernel
 
-from llmsys.profiling import cli, e2e, kernel_profile, results
+from llmsys.profiling import cli, kernel_profile, results
 
 TINY = ["--device", "cpu", "--size", "tiny", "--context-length", "16", "--batch-size", "2"]
 FAST = ["--dtype", "fp32", "--ffn", "eager", "--steps", "2", "--warmup", "1"]
@@ -109,15 +108,7 @@ def test_short_names_keep_what_tells_kernels_apart():
     assert len(kernel_profile.short_name("k<" + "x" * 200 + ">", kernel=True)) == 80
 
 
-def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
-    real_step = e2e.Runner.step
-
-    def step(self):
-        if self.config.context_length == 16:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_step(self)
-
-    monkeypatch.setattr(e2e.Runner, "step", step)
+def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, oom_at_context_16):
     argv = ["profile", *TINY[:-4], "--context-length", "16", "8", "--batch-size", "2", *FAST]
     cli.main([*argv, "--attention", "sdpa", "--out", str(tmp_path)])
     rows = results.read_rows(tmp_path / "profile.csv")

@@ -99,15 +99,7 @@ def test_resident_bytes_counts_each_storage_once():
     assert memory.resident_bytes(runner) == 3 * params + buffers + batch + steps
 
 
-def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch):
-    real_step = e2e.Runner.step
-
-    def step(self):
-        if self.config.context_length == 16:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_step(self)
-
-    monkeypatch.setattr(e2e.Runner, "step", step)
+def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, oom_at_context_16):
     argv = ["memory", *TINY, "--context-length", "16", "8", "--batch-size", "2"]
     cli.main([*argv, "--dtype", "fp32", "--mode", "forward", "--out", str(tmp_path)])
     rows = results.read_rows(tmp_path / "memory.csv")

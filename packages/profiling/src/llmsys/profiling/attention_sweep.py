@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import itertools
 import math
 import re
@@ -46,7 +45,7 @@ import torch
 from . import accounting, results
 from .attention import ATTENTION_FUNCTIONS, naive_attention
 from .progress import progress
-from .training import is_out_of_memory, synchronize
+from .training import is_out_of_memory, synchronize, unless_out_of_memory
 
 HELP = "time causal attention (naive, compiled, SDPA, FlashAttention-2) over head dim x seq len"
 IMPLS = ("naive", "compiled", "sdpa", "flash")
@@ -291,10 +290,9 @@ def run(args) -> list[results.Row]:
     cases = list(itertools.product(head_dims, seq_lens, args.impl))
     for d, seq, impl in progress(cases, "attention"):
         shape = (args.batch_size, 1, seq, d)
-        measured = measure(impl, shape, dtype, args.device, passes, args.warmup)
-        gc.collect()  # free an OOMed case's tensors before the next case allocates
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.empty_cache()
+        measured = unless_out_of_memory(
+            lambda: measure(impl, shape, dtype, args.device, passes, args.warmup), args.device
+        )
         rows += case_rows(impl, args.batch_size, seq, d, args, passes, measured)
     add_speedups(rows)
     try:

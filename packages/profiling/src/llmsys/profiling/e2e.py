@@ -14,7 +14,6 @@ warm-up effect: the first steps pay for CUDA context setup, cuBLAS heuristics, T
 
 from __future__ import annotations
 
-import gc
 import itertools
 import statistics
 import time
@@ -26,7 +25,14 @@ from . import accounting, results
 from .model import TransformerLM, use_int8_linears
 from .options import Variant, add_model_arguments, variants
 from .progress import progress
-from .training import autocast, is_out_of_memory, lm_loss, make_optimizer, random_batch, synchronize
+from .training import (
+    autocast,
+    lm_loss,
+    make_optimizer,
+    random_batch,
+    synchronize,
+    unless_out_of_memory,
+)
 
 HELP = "time forward / backward / optimizer steps of the Transformer LM (tokens/s, MFU, memory)"
 MODES = ("forward", "forward-backward", "train-step")
@@ -200,17 +206,12 @@ def run(args) -> list[results.Row]:
         return f"{size} ctx={context} {mode} {dtype} warmup={warmup} {variant.label}"
 
     for size, context, mode, dtype, warmup, variant in progress(cases, "e2e", label):
-        try:
-            measured = measure(
+        measured = unless_out_of_memory(
+            lambda: measure(
                 variant, size, context, args.batch_size, mode, args.device, warmup, args.steps
-            )
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            measured = None
-        gc.collect()
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.empty_cache()
+            ),
+            args.device,
+        )
         key = (size, context, mode, dtype, warmup)  # the first variant of a case is the baseline
         if measured is not None and key not in baselines:
             baselines[key] = statistics.mean(sum(s.values()) for s in measured["samples"])

@@ -32,7 +32,6 @@ under the profiler, which slows them, so this is no idle fraction).
 from __future__ import annotations
 
 import bisect
-import gc
 import itertools
 import math
 import os
@@ -50,7 +49,7 @@ from . import results
 from .e2e import Runner
 from .options import add_model_arguments, variants
 from .progress import progress
-from .training import is_out_of_memory, synchronize
+from .training import synchronize, unless_out_of_memory
 
 HELP = (
     "torch.profiler over train steps: kernels per range (forward, backward, optimizer, attention)"
@@ -220,17 +219,12 @@ def run(args) -> list[results.Row]:
         x = f"{size} ctx={context} batch={args.batch_size} {variant.label}"  # provider: range
         common = dict(mode="profile", x=x, dtype=dtype, gpu=gpu, timestamp=stamp)
         print(f"profile: {label(case)}: {args.steps} steps after {args.warmup} warm-up")
-        try:
+
+        def profiled(variant=variant, size=size, context=context, trace=trace):
             runner = Runner(variant, size, context, args.batch_size, "train-step", args.device)
-            measured = profile_case(runner, args.warmup, args.steps, nvtx, trace)
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            measured = None
-        runner = None
-        gc.collect()
-        if on_cuda:
-            torch.cuda.empty_cache()
+            return profile_case(runner, args.warmup, args.steps, nvtx, trace)
+
+        measured = unless_out_of_memory(profiled, args.device)
         if measured is None:
             rows.append(results.Row(kernel="step", provider="wall", p20=math.nan, p50=math.nan,
                                     p80=math.nan, config="OOM", **common))  # fmt: skip

@@ -28,7 +28,6 @@ CPU, only the timeline, drawn from the profiler's events (they carry no stacks).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import os
 import pickle
@@ -44,7 +43,7 @@ from . import results
 from .e2e import Runner
 from .options import add_model_arguments, variants
 from .progress import progress
-from .training import is_out_of_memory, synchronize
+from .training import synchronize, unless_out_of_memory
 
 HELP = "peak memory of forward and train step over context length, precision and checkpointing"
 MODES = ("forward", "train-step")
@@ -250,19 +249,16 @@ def run(args) -> list[results.Row]:
     )
     for case in progress(cases, "memory", label):
         size, context, dtype, mode, variant = case
-        try:
+
+        def measured_case(case=case):
+            size, context, _, mode, variant = case
             runner = Runner(variant, size, context, args.batch_size, mode, args.device)
             measured = measure(runner)
             if case is closely:
                 look_closely(runner, measured, args.out, label(case), args.top)
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            measured = None
-        runner = None
-        gc.collect()
-        if torch.device(args.device).type == "cuda":
-            torch.cuda.empty_cache()
+            return measured
+
+        measured = unless_out_of_memory(measured_case, args.device)
         nan = float("nan")
         rows.append(
             results.Row(

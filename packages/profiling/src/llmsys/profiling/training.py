@@ -7,6 +7,9 @@ a backward and an optimizer step mean the same thing in ``e2e``, ``memory`` and 
 from __future__ import annotations
 
 import contextlib
+import gc
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +70,24 @@ def make_optimizer(model: torch.nn.Module, name: str = "adamw-fused", lr: float 
 def synchronize(device: str | torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+T = TypeVar("T")
+
+
+def unless_out_of_memory(measure: Callable[[], T], device: str | torch.device) -> T | None:
+    """``measure()``, or None when it runs out of device memory (a sweep records OOM and goes
+    on); either way what it left behind is freed before the next case allocates."""
+    try:
+        return measure()
+    except Exception as error:
+        if not is_out_of_memory(error):
+            raise
+        return None
+    finally:
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def is_out_of_memory(error: BaseException) -> bool:
