@@ -3,8 +3,9 @@
 import math
 
 import pytest
+import torch
 
-from llmsys.profiling import cli, e2e, results
+from llmsys.profiling import cli, e2e, results, training
 
 TINY_ARGS = ["--device", "cpu", "--size", "tiny", "--context-length", "16", "--batch-size", "2"]
 
@@ -75,6 +76,60 @@ def test_every_subcommand_has_help(capsys):
         assert "usage: llmsys-bench" in capsys.readouterr().out
 
 
-def test_bad_numbers_are_refused(tmp_path):
-    with pytest.raises(SystemExit, match="--steps and --batch-size must be >= 1"):
-        cli.main(["e2e", *TINY_ARGS, "--steps", "0", "--out", str(tmp_path)])
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("--steps", "0", "must be a positive integer, got '0'"),
+        ("--batch-size", "-2", "must be a positive integer, got '-2'"),
+        ("--warmup", "-1", "must be a non-negative integer, got '-1'"),
+        ("--context-length", "0", "must be a positive integer, got '0'"),
+    ],
+)
+def test_bad_numbers_are_refused_naming_the_option(tmp_path, capsys, option, value, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["e2e", "--device", "cpu", "--size", "tiny", option, value])
+    assert exit_info.value.code == 2
+    assert f"argument {option}: {expected}" in capsys.readouterr().err
+
+
+def test_a_baseline_that_ran_out_of_memory_gives_no_speedups(tmp_path, monkeypatch):
+    real_step = e2e.Runner.step
+
+    def step(self):
+        if self.config.attention == "naive":  # the eager preset, the baseline
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return real_step(self)
+
+    monkeypatch.setattr(e2e.Runner, "step", step)
+    argv = ["e2e", *TINY_ARGS, "--preset", "eager", "compiled", "--steps", "1", "--warmup", "0"]
+    cli.main([*argv, "--compile-mode", "default", "--out", str(tmp_path)])
+    steps = [r for r in results.read_rows(tmp_path / "e2e.csv") if r.kernel == "transformer_lm"]
+    assert steps[0].config.startswith("OOM") and steps[1].p50 > 0
+    assert steps[1].speedup_vs_baseline is None
+
+
+def test_out_of_memory_is_recognised_however_it_is_phrased():
+    assert training.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory."))
+    cublas = RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`")
+    assert training.is_out_of_memory(cublas)
+    assert not training.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_accounting_refuses_unknown_modes_and_precisions():
+    from llmsys.profiling import ModelConfig, accounting
+
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        accounting.step_flops(ModelConfig.named("tiny"), 1, 8, "train")
+    with pytest.raises(ValueError, match="`precision` must be one of"):
+        accounting.peak_flops("NVIDIA H100 80GB HBM3", "fp16")
+    with pytest.raises(ValueError, match="`dtype` must be 'bf16' or 'fp32'"):
+        accounting.matmul_precision("fp16")
+
+
+def test_peaks_tell_h100_variants_apart():
+    from llmsys.profiling.accounting import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bf16")[0] == pytest.approx(989.4e12)
+    assert peak_flops("NVIDIA H100 PCIe", "bf16")[0] == pytest.approx(756e12)
+    assert peak_flops("NVIDIA H100 NVL", "bf16")[0] == pytest.approx(835e12)
+    assert peak_flops("NVIDIA GeForce RTX 4090", "bf16")[0] is None

@@ -1,9 +1,10 @@
 """FLOPs of the Transformer LM and the GPU peaks that model FLOPs utilization (MFU) divides by.
 
-Counting rule (the one MFU papers use, PaLM appendix B): only matmul FLOPs, 2 per multiply-add;
-the backward costs twice the forward; recomputation from activation checkpointing is *not*
-counted (MFU measures useful work). Causal attention counts the half of the score matrix that
-is needed (the ``q k^T`` and ``p v`` products over ``T (T + 1) / 2`` pairs).
+Counting rule: only matmul FLOPs, 2 per multiply-add; the backward costs twice the forward;
+recomputation from activation checkpointing is *not* counted (MFU measures useful work), as in
+PaLM's appendix B. Unlike PaLM (and llm.c / nanochat, which count the full T x T score matrix),
+causal attention counts only the half that is needed (the ``q k^T`` and ``p v`` products over
+``T (T + 1) / 2`` pairs): at xl and context 1024 that gives an MFU about 1.3 points lower.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import torch
 
 from .config import ModelConfig
 
-# Dense peaks in TFLOP/s from the vendors' datasheets (without sparsity).
-# H100 SXM5 / H200 SXM: NVIDIA H100 and H200 datasheets; A100 SXM: NVIDIA A100 datasheet.
+# Dense peaks in TFLOP/s from the vendors' datasheets (without sparsity), by a pattern of
+# ``torch.cuda.get_device_name()``: NVIDIA's H100 (SXM5, PCIe, NVL), H200 and A100 datasheets.
 PEAK_TFLOPS = {
-    "h100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "h200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "a100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "H100 PCIe": {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100 NVL": {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0},
+    "H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM5 (e.g. "H100 80GB HBM3")
+    "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
 }
+MODES = ("forward", "forward-backward", "train-step")
+PRECISIONS = ("bf16", "tf32", "fp32")
 
 
 def forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
@@ -36,20 +41,29 @@ def forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
 
 def step_flops(config: ModelConfig, batch_size: int, seq_len: int, mode: str) -> float:
     """FLOPs of a ``forward``, ``forward-backward`` or ``train-step`` (3x forward for both)."""
+    if mode not in MODES:
+        raise ValueError(f"step_flops: `mode` must be one of {MODES}, got {mode!r}")
     return forward_flops(config, batch_size, seq_len) * (1 if mode == "forward" else 3)
 
 
-def peak_flops(gpu_slug: str, dtype: str) -> tuple[float | None, str]:
-    """(peak FLOP/s, its name) for the matmul precision a run uses, or (None, why not).
-
-    ``dtype`` "bf16" uses the dense bf16 tensor-core peak; "fp32" the TF32 peak when PyTorch
-    lets matmuls use TF32 (``torch.backends.cuda.matmul.allow_tf32``), else plain FP32.
-    """
-    peaks = PEAK_TFLOPS.get(gpu_slug)
-    if peaks is None:
-        return None, f"no peak known for {gpu_slug!r}"
+def matmul_precision(dtype: str, *, always_tf32: bool = False) -> str:
+    """The precision matmuls run in: "bf16" for ``dtype="bf16"``; for "fp32", "tf32" when
+    PyTorch lets matmuls use TF32 (``torch.backends.cuda.matmul.allow_tf32``) or the kernel
+    always does (``always_tf32``, e.g. Triton's fp32 dots), else "fp32"."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"matmul_precision: `dtype` must be 'bf16' or 'fp32', got {dtype!r}")
     if dtype == "bf16":
-        kind = "bf16"
-    else:
-        kind = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
-    return peaks[kind] * 1e12, f"{gpu_slug} dense {kind} {peaks[kind]:.1f} TFLOP/s"
+        return "bf16"
+    return "tf32" if always_tf32 or torch.backends.cuda.matmul.allow_tf32 else "fp32"
+
+
+def peak_flops(device_name: str, precision: str) -> tuple[float | None, str]:
+    """(peak FLOP/s, its description) of ``device_name`` (``torch.cuda.get_device_name()``) in
+    ``precision`` ("bf16", "tf32" or "fp32"), or (None, why not) for an unknown device."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"peak_flops: `precision` must be one of {PRECISIONS}, got {precision!r}")
+    for pattern, peaks in PEAK_TFLOPS.items():  # the more specific names come first
+        if pattern.lower() in device_name.lower():
+            tflops = peaks[precision]
+            return tflops * 1e12, f"{pattern} dense {precision} {tflops:.1f} TFLOP/s"
+    return None, f"no {precision} peak known for {device_name!r}"

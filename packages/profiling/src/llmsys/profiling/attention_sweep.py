@@ -30,7 +30,6 @@ Writes ``attention.png`` (time vs seq, log-log, one panel per d) when matplotlib
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import math
@@ -44,8 +43,9 @@ import torch
 
 from . import accounting, results
 from .attention import ATTENTION_FUNCTIONS, naive_attention
+from .options import non_negative_int, positive_int
 from .progress import progress
-from .training import is_out_of_memory, synchronize, unless_out_of_memory
+from .training import free_device_memory, is_out_of_memory, synchronize
 
 HELP = "time causal attention (naive, compiled, SDPA, FlashAttention-2) over head dim x seq len"
 IMPLS = ("naive", "compiled", "sdpa", "flash")
@@ -55,39 +55,25 @@ GPU_DEFAULTS["passes"] = 100
 CPU_DEFAULTS = {"head_dim": [16], "seq_len": [16, 32], "passes": 2}
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
-
-
 def add_arguments(parser) -> None:
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="batch (8)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="batch (8)")
     parser.add_argument(
         "--head-dim",
         nargs="+",
-        type=_positive_int,
+        type=positive_int,
         help="head dims (default 16 32 64 128; on cpu 16)",
     )
     parser.add_argument(
         "--seq-len",
         nargs="+",
-        type=_positive_int,
+        type=positive_int,
         help="sequence lengths (default 256 1024 4096 8192 16384; on cpu 16 32)",
     )
     parser.add_argument(
-        "--passes", type=_positive_int, help="timed passes per mode (default 100; on cpu 2)"
+        "--passes", type=positive_int, help="timed passes per mode (default 100; on cpu 2)"
     )
     parser.add_argument(
-        "--warmup", type=_non_negative_int, default=3, help="untimed fwd + bwd passes first (3)"
+        "--warmup", type=non_negative_int, default=3, help="untimed fwd + bwd passes first (3)"
     )
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="q, k, v dtype")
     parser.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
@@ -127,18 +113,12 @@ def causal_flops(batch: int, seq: int, d: int, mode: str) -> float:
 
 
 def peak_flops(impl: str, dtype: str, device) -> tuple[float | None, str]:
-    """(dense matmul peak FLOP/s of the precision ``impl`` multiplies in, its name).
-
-    The peak is None off CUDA or on a GPU ``accounting.PEAK_TFLOPS`` does not know. In fp32,
-    ``flash`` runs its dots in TF32 whatever PyTorch's setting; the others are taken to follow
-    ``torch.backends.cuda.matmul.allow_tf32`` (off by default: plain fp32).
-    """
-    tf32 = impl == "flash" or torch.backends.cuda.matmul.allow_tf32
-    precision = "bf16" if dtype == "bf16" else "tf32" if tf32 else "fp32"
+    """(dense matmul peak FLOP/s of the precision ``impl`` multiplies in, its description);
+    None off CUDA. In fp32, ``flash`` runs its dots in TF32 whatever PyTorch's setting."""
+    precision = accounting.matmul_precision(dtype, always_tf32=impl == "flash")
     if torch.device(device).type != "cuda":
         return None, precision
-    peaks = accounting.PEAK_TFLOPS.get(results.device_slug(device))
-    return (peaks[precision] * 1e12 if peaks else None), precision
+    return accounting.peak_flops(results.device_name(device), precision)
 
 
 def _time_calls(call: Callable, passes: int, device, prepare: Callable | None = None):
@@ -201,13 +181,6 @@ def measure(impl: str, shape: tuple[int, ...], dtype, device, passes: int, warmu
     return measured
 
 
-def _quantiles(times: list[float]) -> tuple[float, float, float]:
-    if len(times) < 2:
-        return times[0], times[0], times[0]
-    cuts = statistics.quantiles(times, n=5, method="inclusive")  # 20%, 40%, 60%, 80%
-    return cuts[0], statistics.median(times), cuts[3]
-
-
 def case_rows(impl, batch, seq, d, args, passes, measured) -> list[results.Row]:
     """A forward and a backward row of one (impl, d, seq); NaN times and config OOM if none."""
     gpu, stamp = results.device_name(args.device), results.timestamp()
@@ -223,7 +196,7 @@ def case_rows(impl, batch, seq, d, args, passes, measured) -> list[results.Row]:
             nan = float("nan")
             rows.append(results.Row(p20=nan, p50=nan, p80=nan, config="OOM", **common))
             continue
-        p20, p50, p80 = _quantiles(times)
+        p20, p50, p80 = results.quantiles(times)
         tflops = causal_flops(batch, seq, d, mode) / (p50 * 1e-3) / 1e12
         rows.append(
             results.Row(
@@ -290,9 +263,8 @@ def run(args) -> list[results.Row]:
     cases = list(itertools.product(head_dims, seq_lens, args.impl))
     for d, seq, impl in progress(cases, "attention"):
         shape = (args.batch_size, 1, seq, d)
-        measured = unless_out_of_memory(
-            lambda: measure(impl, shape, dtype, args.device, passes, args.warmup), args.device
-        )
+        measured = measure(impl, shape, dtype, args.device, passes, args.warmup)  # OOM inside
+        free_device_memory(args.device)
         rows += case_rows(impl, args.batch_size, seq, d, args, passes, measured)
     add_speedups(rows)
     try:

@@ -23,7 +23,7 @@ from torch.profiler import record_function
 
 from . import accounting, results
 from .model import TransformerLM, use_int8_linears
-from .options import Variant, add_model_arguments, variants
+from .options import Variant, add_model_arguments, non_negative_int, positive_int, variants
 from .progress import progress
 from .training import (
     autocast,
@@ -42,11 +42,17 @@ PHASES["train-step"] = ("forward", "backward", "optimizer")
 
 def add_arguments(parser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--mode", nargs="+", default=["train-step"], choices=MODES)
     parser.add_argument(
-        "--warmup", nargs="+", type=int, default=[5], help="untimed steps first (5)"
+        "--mode",
+        nargs="+",
+        default=["train-step"],
+        choices=MODES,
+        help="forward (no_grad), forward-backward, or train-step (with the optimizer; default)",
     )
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (10)")
+    parser.add_argument(
+        "--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed steps first (5)"
+    )
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (10)")
 
 
 class Runner:
@@ -57,12 +63,11 @@ class Runner:
             raise ValueError("e2e: int8 linears are inference-only; use --mode forward")
         self.variant, self.mode, self.device = variant, mode, device
         self.config = variant.config(size, context)
-        if variant.compile:
-            torch._dynamo.reset()  # a case must pay its own compilation, not reuse the last one's
         self.model = TransformerLM(self.config, device=device)
         if variant.int8:
             self.model = use_int8_linears(self.model.to(torch.bfloat16))
         self.call = self.model
+        torch._dynamo.reset()  # a case pays its own compilation, and no graphs are left over
         if variant.compile:
             self.call = torch.compile(self.model, mode=variant.compile_mode)
         self.optimizer = (
@@ -81,7 +86,7 @@ class Runner:
             now = time.perf_counter()
             times[phase], start = (now - start) * 1e3, now
 
-        if self.variant.compile and self.variant.compile_mode == "reduce-overhead":
+        if self.variant.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # last step's graph outputs may go
         dtype = "fp32" if self.variant.int8 else self.variant.dtype  # int8 runs bf16 weights
         with record_function("forward"):
@@ -121,16 +126,10 @@ def measure(
         torch.cuda.reset_peak_memory_stats(device)
     samples = [runner.step() for _ in range(steps)]
     peak = None
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and not variant.cuda_graphs:
+        # A replayed CUDA graph's private memory pool is not in max_memory_allocated.
         peak = torch.cuda.max_memory_allocated(device) / 2**30
     return {"config": runner.config, "samples": samples, "peak_gib": peak}
-
-
-def _quantiles(values: list[float]) -> tuple[float, float, float]:
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q = statistics.quantiles(values, n=10, method="inclusive")
-    return q[1], statistics.median(values), q[7]
 
 
 def case_rows(
@@ -141,7 +140,8 @@ def case_rows(
     warm-up count in the case column (a warm-up sweep)."""
     gpu, stamp = results.device_name(device), results.timestamp()
     x = f"{size} ctx={context} batch={batch}" + (f" warmup={warmup}" if warmup_in_case else "")
-    common = dict(provider=variant.label, x=x, dtype=variant.dtype, gpu=gpu, timestamp=stamp)
+    dtype = "bf16" if variant.int8 else variant.dtype  # int8 layers run on bf16 weights
+    common = dict(provider=variant.label, x=x, dtype=dtype, gpu=gpu, timestamp=stamp)
     compiled = f"{variant.compile}" + (f"/{variant.compile_mode}" if variant.compile else "")
     settings = f"warmup={warmup} steps={steps} compile={compiled} opt={variant.optimizer}"
     if measured is None:
@@ -155,18 +155,23 @@ def case_rows(
     mean_ms = statistics.mean(step_ms)
     tokens_per_s = batch * context / (mean_ms / 1e3)
     flops = accounting.step_flops(measured["config"], batch, context, mode)
-    peak, peak_name = accounting.peak_flops(results.device_slug(device), variant.dtype)
-    mfu = flops / (mean_ms / 1e3) / peak if peak and torch.device(device).type == "cuda" else None
+    on_cuda = torch.device(device).type == "cuda"
+    peak, peak_name = accounting.peak_flops(
+        results.device_name(device), accounting.matmul_precision(dtype)
+    )
+    mfu = flops / (mean_ms / 1e3) / peak if peak and on_cuda else None
+    memory = "" if measured["peak_gib"] is not None or not on_cuda else "; peak memory not"
+    memory += " measured (CUDA graphs' private pool)" if memory else ""
     rows = [
         results.Row(
             kernel="transformer_lm",
             mode=mode,
-            **dict(zip(("p20", "p50", "p80"), _quantiles(step_ms), strict=True)),
+            **dict(zip(("p20", "p50", "p80"), results.quantiles(step_ms), strict=True)),
             throughput=tokens_per_s,
             throughput_unit="tok/s",
             roofline_fraction=mfu,
             speedup_vs_baseline=baseline_ms / mean_ms if baseline_ms else None,
-            config=f"{settings}; MFU of {peak_name}",
+            config=f"{settings}; MFU of {peak_name}{memory}",
             mean=mean_ms,
             std=statistics.stdev(step_ms) if len(step_ms) > 1 else 0.0,
             memory_gib=measured["peak_gib"],
@@ -179,7 +184,7 @@ def case_rows(
             results.Row(
                 kernel=f"transformer_lm/{phase}",
                 mode=mode,
-                **dict(zip(("p20", "p50", "p80"), _quantiles(times), strict=True)),
+                **dict(zip(("p20", "p50", "p80"), results.quantiles(times), strict=True)),
                 config=settings,
                 mean=statistics.mean(times),
                 std=statistics.stdev(times) if len(times) > 1 else 0.0,
@@ -190,8 +195,6 @@ def case_rows(
 
 
 def run(args) -> list[results.Row]:
-    if args.steps < 1 or args.batch_size < 1 or min(args.warmup) < 0:
-        raise SystemExit("e2e: --steps and --batch-size must be >= 1 and --warmup >= 0")
     cases = [
         (size, context, mode, dtype, warmup, variant)
         for size, context, mode, dtype, warmup in itertools.product(
@@ -213,8 +216,10 @@ def run(args) -> list[results.Row]:
             args.device,
         )
         key = (size, context, mode, dtype, warmup)  # the first variant of a case is the baseline
-        if measured is not None and key not in baselines:
-            baselines[key] = statistics.mean(sum(s.values()) for s in measured["samples"])
+        if key not in baselines:  # None when it ran out of memory: no speed-ups then
+            baselines[key] = measured and statistics.mean(
+                sum(s.values()) for s in measured["samples"]
+            )
         rows += case_rows(
             variant, size, context, args.batch_size, mode, warmup, args.steps, args.device,
             measured, baselines.get(key), warmup_in_case=len(args.warmup) > 1,

@@ -21,7 +21,10 @@ for them: each op's self CPU time (without its children's, so nothing counts twi
 
 Rows: kernel = the kernel (or op) name (see ``short_name``); provider = the range; x = the case
 and the variant; p20 / p50 / p80 and mean = ms per call; config = calls per step, ms per step and
-share of the range's kernel time. Two ``step`` rows per case: ``wall`` (above) and ``gpu``, the
+share of the range's kernel time. On CUDA, per phase (``forward``, ``backward``,
+``optimizer_step``) a ``wall`` row (the phase as the e2e benchmark measures it, profiler off) and
+a ``gpu`` row (its kernels' time; config: the host share, the part of the phase the GPU waited).
+Two ``step`` rows per case: ``wall`` (above) and ``gpu``, the
 kernel time per step, whose config gives the GPU's idle fraction, 1 - kernel time / wall time:
 the time it waits for the host (Python, launches, the synchronizes). The model runs on one
 stream; kernels that overlapped on several would make the sum overstate the busy time. On CPU
@@ -47,7 +50,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from . import results
 from .e2e import Runner
-from .options import add_model_arguments, variants
+from .options import add_model_arguments, non_negative_int, positive_int, variants
 from .progress import progress
 from .training import synchronize, unless_out_of_memory
 
@@ -70,12 +73,16 @@ def add_arguments(parser) -> None:
     add_model_arguments(parser, contexts=(256,))
     parser.add_argument(
         "--warmup",
-        type=int,
+        type=non_negative_int,
         default=5,
         help="untimed steps first (5: CUDA-graph modes record their graphs in the first three)",
     )
-    parser.add_argument("--steps", type=int, default=3, help="steps timed and profiled (3)")
-    parser.add_argument("--top", type=int, default=10, help="kernels listed per range (10)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=3, help="steps timed and profiled (3)"
+    )
+    parser.add_argument(
+        "--top", type=positive_int, default=10, help="kernels listed per range (10)"
+    )
     parser.add_argument(
         "--nvtx", action="store_true", help="also run the steps under emit_nvtx (see above)"
     )
@@ -112,10 +119,8 @@ def attribute(events, device_kernels: bool, ranges=RANGES) -> dict[str, dict[str
 
 def _percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
     """p20 / p50 / p80 of ``values`` times ``scale``, as Row fields."""
-    if len(values) < 2:
-        return dict.fromkeys(("p20", "p50", "p80"), values[0] * scale)
-    q = statistics.quantiles(values, n=10, method="inclusive")
-    return {"p20": q[1] * scale, "p50": statistics.median(values) * scale, "p80": q[7] * scale}
+    p20, p50, p80 = results.quantiles(values)
+    return {"p20": p20 * scale, "p50": p50 * scale, "p80": p80 * scale}
 
 
 def short_name(name: str, kernel: bool) -> str:
@@ -137,11 +142,11 @@ def profile_case(runner: Runner, warmup: int, steps: int, nvtx: bool, trace: Pat
     on_cuda = torch.device(runner.device).type == "cuda"
     for _ in range(warmup):
         runner.step()
-    wall = []
+    wall, phases = [], []
     for _ in range(steps):
         synchronize(runner.device)
         start = time.perf_counter()
-        runner.step()  # synchronizes after each phase
+        phases.append(runner.step())  # ms per phase; it synchronizes after each
         wall.append((time.perf_counter() - start) * 1e3)
     if nvtx and on_cuda:
         with torch.autograd.profiler.emit_nvtx():
@@ -155,7 +160,30 @@ def profile_case(runner: Runner, warmup: int, steps: int, nvtx: bool, trace: Pat
             runner.step()
     trace.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace))
-    return {"wall": wall, "found": attribute(prof.events(), device_kernels=on_cuda)}
+    found = attribute(prof.events(), device_kernels=on_cuda)
+    return {"wall": wall, "phases": phases, "found": found}
+
+
+def phase_rows(found, phases, steps, common, on_cuda) -> list[results.Row]:
+    """Per phase, the measured wall time next to its kernels' time: where they differ by more
+    than a few percent, the difference is host time the GPU waited for."""
+    if not on_cuda:
+        return []
+    rows = []
+    for phase, range_name in zip(("forward", "backward", "optimizer"), PHASES, strict=True):
+        measured = [p[phase] for p in phases if phase in p]
+        kernels_ms = sum(map(sum, found.get(range_name, {}).values())) / 1e3 / steps
+        wall_ms = statistics.mean(measured)
+        host = 1 - kernels_ms / wall_ms
+        print(f"  {range_name}: measured {wall_ms:.3f} ms, kernels {kernels_ms:.3f} ms: "
+              f"{host:.0%} of it is host time")  # fmt: skip
+        rows += [
+            results.Row(range_name, "wall", **common, **_percentiles(measured), mean=wall_ms,
+                        config="profiler off; ends with a synchronize"),
+            results.Row(range_name, "gpu", **common, p20=math.nan, p50=kernels_ms, p80=math.nan,
+                        mean=kernels_ms, config=f"GPU kernels; host share {host:.0%}"),
+        ]  # fmt: skip
+    return rows
 
 
 def case_rows(found, wall, steps, common, on_cuda, top) -> list[results.Row]:
@@ -197,8 +225,6 @@ def case_rows(found, wall, steps, common, on_cuda, top) -> list[results.Row]:
 
 
 def run(args) -> list[results.Row]:
-    if args.steps < 1 or args.batch_size < 1 or args.warmup < 0 or args.top < 1:
-        raise SystemExit("profile: --steps, --batch-size and --top must be >= 1, --warmup >= 0")
     cases = [
         (size, context, dtype, variant)
         for size, context, dtype in itertools.product(args.size, args.context_length, args.dtype)
@@ -229,8 +255,8 @@ def run(args) -> list[results.Row]:
             rows.append(results.Row(kernel="step", provider="wall", p20=math.nan, p50=math.nan,
                                     p80=math.nan, config="OOM", **common))  # fmt: skip
             continue
-        rows += case_rows(
-            measured["found"], measured["wall"], args.steps, common, on_cuda, args.top
-        )
+        found = measured["found"]
+        rows += case_rows(found, measured["wall"], args.steps, common, on_cuda, args.top)
+        rows += phase_rows(found, measured["phases"], args.steps, common, on_cuda)
         print(f"  wrote {trace}")
     return rows

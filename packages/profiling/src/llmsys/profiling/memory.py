@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from . import results
 from .e2e import Runner
-from .options import add_model_arguments, variants
+from .options import add_model_arguments, non_negative_int, positive_int, variants
 from .progress import progress
 from .training import synchronize, unless_out_of_memory
 
@@ -54,15 +54,19 @@ def add_arguments(parser) -> None:
     add_model_arguments(parser, contexts=(128, 256, 512))
     # None = both ways; --checkpoint / --no-checkpoint keep one.
     parser.set_defaults(dtype=["fp32", "bf16"], checkpoint=None)
-    parser.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--mode", nargs="+", default=list(MODES), choices=MODES, help="forward and/or train-step"
+    )
     parser.add_argument(
         "--snapshot",
-        type=int,
+        type=non_negative_int,
         default=1,
         metavar="N",
         help="look closely at the N-th train-step case (1; 0: none)",
     )
-    parser.add_argument("--top", type=int, default=10, help="largest allocations to list (10)")
+    parser.add_argument(
+        "--top", type=positive_int, default=10, help="largest allocations to list (10)"
+    )
 
 
 # ---- the snapshot and timeline, as pure functions of data ------------------------------------
@@ -221,8 +225,12 @@ def look_closely(runner: Runner, measured: dict, out: Path, title: str, top: int
 
 
 def run(args) -> list[results.Row]:
-    if args.batch_size < 1:
-        raise SystemExit("memory: --batch-size must be >= 1")
+    if any(variant.cuda_graphs for variant in variants(args, args.dtype[0])):
+        raise SystemExit(
+            "memory: CUDA graphs (--compile-mode reduce-overhead, the llmsys preset) allocate "
+            "from a private pool that the allocator's peak does not count; measure memory "
+            "without them (e.g. --preset llmsys --compile-mode default)"
+        )
     checkpoints = [False, True] if args.checkpoint is None else [args.checkpoint]
     cases = []  # (size, context, dtype, mode, variant)
     for size, context, dtype in itertools.product(args.size, args.context_length, args.dtype):

@@ -45,6 +45,11 @@ class Variant:
     preset: str = ""
 
     @property
+    def cuda_graphs(self) -> bool:
+        """Whether torch.compile replays CUDA graphs (``reduce-overhead``)."""
+        return self.compile and self.compile_mode == "reduce-overhead"
+
+    @property
     def label(self) -> str:
         """Short provider name for tables: the preset, or the parts spelled out."""
         parts = [
@@ -67,15 +72,35 @@ class Variant:
         )
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse names the option in its error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    return value
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, contexts=(1024,), sizes=("small",)):
     """Sizes, contexts, batch, precision, presets and part switches (lists sweep)."""
     parser.add_argument(
         "--size", nargs="+", default=list(sizes), choices=list(SIZES), help="model sizes"
     )
     parser.add_argument(
-        "--context-length", nargs="+", type=int, default=list(contexts), help="sequence lengths"
+        "--context-length",
+        nargs="+",
+        type=positive_int,
+        default=list(contexts),
+        help="sequence lengths",
     )
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per step (4)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (4)")
     parser.add_argument(
         "--dtype", nargs="+", default=["bf16"], choices=DTYPES, help="bf16 = autocast (bf16)"
     )
@@ -90,7 +115,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, contexts=(1024,), si
     parser.add_argument(
         "--compile-mode", choices=COMPILE_MODES, help="torch.compile mode (default: the preset's)"
     )
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw-fused")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adamw-fused",
+        help="AdamW: PyTorch's fused kernel (default), its foreach loops, or the readable one",
+    )
     parser.add_argument(
         "--checkpoint",
         action=argparse.BooleanOptionalAction,

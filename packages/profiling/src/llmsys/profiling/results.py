@@ -14,6 +14,7 @@ import dataclasses
 import datetime as _dt
 import math
 import re
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -101,6 +102,14 @@ def device_slug(device: str | torch.device = "cuda") -> str:
 
 def timestamp() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """(p20, p50, p80) of ``values`` (all three the value itself when there is one)."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q = statistics.quantiles(values, n=10, method="inclusive")
+    return q[1], statistics.median(values), q[7]
 
 
 def write_csv(rows: Iterable[Row], path: str | Path) -> Path:

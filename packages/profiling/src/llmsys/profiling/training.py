@@ -85,9 +85,16 @@ def unless_out_of_memory(measure: Callable[[], T], device: str | torch.device) -
             raise
         return None
     finally:
-        gc.collect()
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
+
+
+def free_device_memory(device: str | torch.device) -> None:
+    """Drop what the last case left: Python garbage, CUDA graphs that compiled models recorded
+    (their private memory pools), and the allocator's cached blocks."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch._dynamo.reset()  # also releases torch.compile's CUDA-graph trees
+        torch.cuda.empty_cache()
 
 
 def is_out_of_memory(error: BaseException) -> bool:
