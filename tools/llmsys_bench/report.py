@@ -19,9 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from . import harness  # first: it puts the profiling package's source on sys.path
+
+# isort: off
 from llmsys.profiling.report import table_section
 
-from . import harness
+# isort: on
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +37,40 @@ def load_sweep(package_path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def section_body(sweep, rows: list[harness.Row], csv_name: str) -> str:
+    """The tables of one package's section, as its sweep chooses to show its rows."""
+    if hasattr(sweep, "report_markdown"):
+        return sweep.report_markdown(rows)
+    # A selection that keeps nothing (a CPU run's tiny cases) shows every row.
+    shown = (sweep.report_rows(rows) if hasattr(sweep, "report_rows") else rows) or rows
+    return table_section(rows, shown, csv_name)
+
+
+def committed_gpu_sections(packages, out: Path) -> list[str]:
+    """Sections for every package's committed GPU results (``results/<gpu>.csv``), marked as
+    measured elsewhere: a CPU-only run's report shows them after its own rows."""
+    sections = []
+    for package in packages:
+        sweep = load_sweep(package.path)
+        results_dir = package.path / "benchmarks" / "results"
+        for path in sorted(results_dir.glob("*.csv")) if sweep else ():
+            if path.stem == "cpu" or "-" in path.stem:  # h100.csv, not h100-profile-llmsys.csv
+                continue
+            rows = harness.read_rows(path)
+            gpus = ", ".join(sorted({r.gpu for r in rows if r.gpu}))
+            relative = os.path.relpath(path, out)
+            plot = path.with_suffix(".png")
+            picture = (
+                f"\n![{package.name}]({os.path.relpath(plot, out)})\n" if plot.exists() else ""
+            )
+            sections.append(
+                f"## {package.name}: committed {path.stem} results\n\n"
+                f"> Measured on {gpus or path.stem}, not on this machine: `{relative}`.\n"
+                f"{picture}\n{section_body(sweep, rows, path.name)}\n"
+            )
+    return sections
 
 
 def _takes_full(sweep) -> bool:
@@ -107,13 +144,11 @@ def main(argv: list[str] | None = None) -> int:
                 sweep.skipped(device) if hasattr(sweep, "skipped") and not args.from_results else []
             )
             skipped += [f"{package.name}: {note}" for note in notes]
-            # A selection that keeps nothing (a CPU run's tiny cases) shows every row.
-            shown = (sweep.report_rows(rows) if hasattr(sweep, "report_rows") else rows) or rows
-            table = table_section(rows, shown, csv_path.name)
-            if hasattr(sweep, "report_markdown"):
-                table = sweep.report_markdown(rows)
+            table = section_body(sweep, rows, csv_path.name)
             sections.append(f"## {package.name}\n\nCSV: `{csv_path.name}`\n{picture}\n{table}\n")
             bar.update()
+    if device == "cpu" and not args.from_results:
+        sections += committed_gpu_sections(packages, out)
     elapsed = time.perf_counter() - started
     measured_on = rows_device = harness.device_name(device)
     if args.from_results:
@@ -124,12 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         f"composed with torch {torch.__version__} | {harness.timestamp()} | {elapsed:.0f} s\n\n"
         "Times are medians (p50); `vs baseline` is the baseline provider's time over this one's "
         "(higher is faster); the roofline is the measured copy bandwidth for memory-bound kernels "
-        "and the measured matmul rate for compute-bound ones.\n"
+        "and the measured matmul rate for compute-bound ones, except in the profiling package, "
+        "whose `of roofline` is MFU or attention TFLOP/s over the GPU's datasheet peak (each "
+        "row's config names it).\n"
     )
     if device == "cpu" and not args.from_results:
         header += (
             "\n> CPU-only machine: the Triton kernels ran under the interpreter at tiny sizes. "
-            "These rows show that every package's benchmark runs; they say nothing about speed.\n"
+            "These rows show that every package's benchmark runs; they say nothing about speed. "
+            "The GPU results committed in the repository follow them, each marked as such.\n"
         )
     skipped_text = "\n## Skipped here\n\n" + "\n".join(f"- {s}" for s in skipped) + "\n"
     report = out / "REPORT.md"
