@@ -48,14 +48,14 @@ def section_body(sweep, rows: list[harness.Row], csv_name: str) -> str:
     return table_section(rows, shown, csv_name)
 
 
-def committed_gpu_sections(packages, out: Path) -> list[str]:
-    """Sections for every package's committed GPU results (``results/<gpu>.csv``), marked as
-    measured elsewhere: a CPU-only run's report shows them after its own rows."""
+def committed_gpu_sections(swept: list, out: Path) -> list[str]:
+    """Sections for the committed GPU results (``results/<gpu>.csv``) of each (package, sweep)
+    in ``swept``, marked as measured elsewhere: a CPU-only run's report shows them after its
+    own rows."""
     sections = []
-    for package in packages:
-        sweep = load_sweep(package.path)
+    for package, sweep in swept:
         results_dir = package.path / "benchmarks" / "results"
-        for path in sorted(results_dir.glob("*.csv")) if sweep else ():
+        for path in sorted(results_dir.glob("*.csv")):
             if path.stem == "cpu" or "-" in path.stem:  # h100.csv, not h100-profile-llmsys.csv
                 continue
             rows = harness.read_rows(path)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / slug
     out.mkdir(parents=True, exist_ok=True)
     packages = select(args.package)
-    sections, skipped = [], []
+    sections, skipped, swept = [], [], []
     started = time.perf_counter()
     with tqdm(total=len(packages), desc="packages", unit="pkg") as bar:
         for package in packages:
@@ -144,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                 sweep.skipped(device) if hasattr(sweep, "skipped") and not args.from_results else []
             )
             skipped += [f"{package.name}: {note}" for note in notes]
+            swept.append((package, sweep))
             table = section_body(sweep, rows, csv_path.name)
             sections.append(f"## {package.name}\n\nCSV: `{csv_path.name}`\n{picture}\n{table}\n")
             bar.update()
     if device == "cpu" and not args.from_results:
-        sections += committed_gpu_sections(packages, out)
+        sections += committed_gpu_sections(swept, out)
     elapsed = time.perf_counter() - started
     measured_on = rows_device = harness.device_name(device)
     if args.from_results:

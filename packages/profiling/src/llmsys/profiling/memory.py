@@ -32,7 +32,6 @@ import itertools
 import os
 import pickle
 import re
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from . import results
 from .e2e import Runner
 from .options import add_model_arguments, non_negative_int, positive_int, variants
 from .progress import progress
-from .training import synchronize, unless_out_of_memory
+from .training import unless_out_of_memory
 
 HELP = "peak memory of forward and train step over context length, precision and checkpointing"
 MODES = ("forward", "train-step")
@@ -172,21 +171,14 @@ def profiled_deltas(step) -> list[int]:
     return [e.nbytes() for e in events]
 
 
-def timed_step(runner: Runner) -> float:
-    synchronize(runner.device)
-    start = time.perf_counter()
-    runner.step()  # synchronizes after each phase
-    return (time.perf_counter() - start) * 1e3
-
-
 def measure(runner: Runner) -> dict:
     """One warm-up step, then the peak bytes and time of one step (see the module doc)."""
     runner.step()
     if torch.device(runner.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(runner.device)
-        step_ms = timed_step(runner)
+        step_ms = sum(runner.step().values())  # ms per phase, each ending in a synchronize
         return {"ms": step_ms, "peak": torch.cuda.max_memory_allocated(runner.device)}
-    step_ms = timed_step(runner)
+    step_ms = sum(runner.step().values())
     totals = running_total(profiled_deltas(runner.step), start=resident_bytes(runner))
     return {"ms": step_ms, "peak": max(totals), "totals": totals}
 
