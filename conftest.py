@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from llmsys_dev.ranks import run_ranks as _run_ranks
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
@@ -34,6 +36,17 @@ def _seed() -> None:
 def device() -> str:
     """Where the kernels run: the GPU if there is one, else the CPU under the interpreter."""
     return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def run_ranks():
+    """``run_ranks(fn, world_size=2, timeout=120, backend="gloo", **kwargs)``: distributed tests.
+
+    Runs the module-level ``fn(rank, world_size, **kwargs)`` on that many torchrun-style processes
+    and fails with every rank's output if one raises or the run passes the timeout
+    (``tools/llmsys_dev/ranks.py``).
+    """
+    return _run_ranks
 
 
 CALLS_PER_ROUND = 10  # GPU calls timed back to back between two synchronizations

@@ -1,0 +1,29 @@
+"""Data-parallel training on torch.distributed: from one all-reduce per parameter to bucketed
+overlap.
+
+    from llmsys.ddp import DDPBucketed, init_distributed
+    init_distributed()                        # torchrun's environment; a plain run is rank 0 of 1
+    model = DDPBucketed(model, bucket_size_mb=25.0)
+    loss_fn(model(x), y).backward()
+    model.finish_gradient_synchronization()   # gradients now hold the mean over ranks
+    optimizer.step()
+"""
+
+from .base import DataParallel
+from .buckets import plan_buckets
+from .process_group import init_distributed, rank_and_world_size
+from .wrappers import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DDPBucketed",
+    "DDPFlat",
+    "DDPIndividualParameters",
+    "DDPNaive",
+    "DataParallel",
+    "__version__",
+    "init_distributed",
+    "plan_buckets",
+    "rank_and_world_size",
+]

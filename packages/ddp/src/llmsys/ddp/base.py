@@ -1,0 +1,187 @@
+"""What every data-parallel wrapper shares: one model on every rank, and which gradients exist.
+
+Data parallelism keeps a full copy of the model on each rank, gives each rank a different slice of
+the batch, and averages the gradients before the optimizer steps, so every copy takes the same
+step that one process would take on the whole batch. The wrappers differ only in *how* they
+average (see ``wrappers.py``); this base class holds the contract they all keep:
+
+- construction checks that every rank holds the same model (names, shapes, dtypes), then
+  broadcasts every parameter and buffer from rank 0, so all copies start equal;
+- a hook on each trainable parameter records that its gradient arrived (after autograd has
+  accumulated it into ``.grad``), which is how the wrappers tell used parameters from unused ones;
+- ``finish_gradient_synchronization()`` asks every rank which parameters got gradients since the
+  last synchronization. Parameters no rank used are skipped (their ``.grad`` stays as it was, as
+  in single-process training); when ranks disagree, the error names the parameters and ranks,
+  because averaging gradients that exist on some ranks only is almost always a bug in the
+  training loop (torch DDP reports the same situation as a hang or "Expected to have finished
+  reduction in the prior iteration");
+- ``no_sync()`` lets gradients accumulate locally over micro-batches; the synchronization after
+  the last one covers every parameter used in any of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .process_group import global_rank, rank_and_world_size
+
+
+class DataParallel(nn.Module):
+    """Base of the wrappers: broadcast at construction, gradient bookkeeping, ``no_sync``.
+
+    Args:
+        module: the model; it stays reachable as ``.module`` and ``forward`` runs it.
+        process_group: the ranks that share the work (default: the whole world). Without an
+            initialized process group (a plain ``python`` run) the wrapper is one rank of one.
+    """
+
+    def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.process_group = process_group
+        self.rank, self.world_size = rank_and_world_size(process_group)
+        names: dict[torch.Tensor, list[str]] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            names.setdefault(param, []).append(name)
+        # Unique tensors in registration order: a tied weight is one entry, reduced once.
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.param_names = [" = ".join(names[p]) for p in self.params]
+        self._used = [False] * len(self.params)  # got a gradient since the last synchronization
+        self._arrived = [False] * len(self.params)  # ... in this synchronized backward
+        self._syncing = True
+        if self.world_size > 1:
+            _check_same_model(module, process_group, self.world_size)
+            _broadcast_from_first_rank(module, process_group)
+            for index, param in enumerate(self.params):
+                param.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_gradient, index)
+                )
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait until every gradient holds its mean over the ranks.
+
+        Call it after ``backward()`` and before ``optimizer.step()``. Inside ``no_sync()`` it
+        does nothing. On error (ranks disagreeing about which parameters got gradients) the
+        gradients are left undefined and the message names the parameters.
+        """
+        if self.world_size == 1 or not self._syncing:
+            return
+        try:
+            self._synchronize()
+        finally:
+            self._reset()
+
+    def on_train_batch_start(self) -> None:
+        """Optional: forget this step's bookkeeping (for example after a step that raised)."""
+        self._reset()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate locally inside; synchronize after the last micro-batch."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    # -- for the wrappers -------------------------------------------------------------------
+
+    def _synchronize(self) -> None:
+        raise NotImplementedError
+
+    def _gradient_ready(self, index: int) -> None:
+        """Called when parameter ``index``'s gradient is complete in a synchronized backward."""
+
+    def _reset(self) -> None:
+        self._used = [False] * len(self.params)
+        self._arrived = [False] * len(self.params)
+
+    def _on_gradient(self, index: int, param: torch.Tensor) -> None:
+        self._used[index] = True
+        if not self._syncing:
+            return
+        if self._arrived[index]:
+            raise RuntimeError(
+                f"{type(self).__name__}: parameter {self.param_names[index]!r} received a second "
+                "gradient before finish_gradient_synchronization(). Run every backward but the "
+                "last of a step under no_sync(), and use non-reentrant activation checkpointing "
+                "(use_reentrant=False) for a parameter used in several checkpointed segments."
+            )
+        self._arrived[index] = True
+        self._gradient_ready(index)
+
+    def _used_everywhere(self) -> list[bool]:
+        """Which parameters got a gradient since the last synchronization, on every rank.
+
+        One small all-gather of a flag per parameter. It makes the host wait for the GPU once per
+        step, which costs the overlap of the optimizer's launches with the last bucket's
+        all-reduce (well under a millisecond) and buys an error instead of a hang.
+        """
+        if not self.params:
+            return []
+        flags = torch.tensor(self._used, dtype=torch.uint8, device=self.params[0].device)
+        everyone = [torch.empty_like(flags) for _ in range(self.world_size)]
+        dist.all_gather(everyone, flags, group=self.process_group)
+        per_rank = torch.stack(everyone).cpu()  # (world_size, parameters)
+        counts = per_rank.sum(0).tolist()
+        disagreements = [
+            f"  {self.param_names[i]!r}: gradient on ranks "
+            f"{per_rank[:, i].nonzero().flatten().tolist()}, none on ranks "
+            f"{(per_rank[:, i] == 0).nonzero().flatten().tolist()}"
+            for i, count in enumerate(counts)
+            if 0 < count < self.world_size
+        ]
+        if disagreements:
+            raise RuntimeError(
+                f"{type(self).__name__}: ranks disagree about which parameters received "
+                "gradients since the last synchronization, so their mean is not defined:\n"
+                + "\n".join(disagreements)
+                + "\nEvery rank must use the same parameters in a step (check data-dependent "
+                "branches and which losses are summed)."
+            )
+        return [count > 0 for count in counts]
+
+
+def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None, world_size: int) -> None:
+    """Raise on every rank if any rank's parameters or buffers differ in name, shape or dtype.
+
+    Collectives are matched by order and size, so different models would pair unrelated tensors:
+    a hang or silent garbage instead of this error.
+    """
+    signature = [
+        ("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+        for name, p in module.named_parameters()
+    ] + [("buffer", name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers()]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, signature, group=group)
+    for rank, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        mismatch = next(
+            (
+                f"{a} on rank 0 but {b} on rank {rank}"
+                for a, b in zip(everyone[0], theirs, strict=False)
+                if a != b
+            ),
+            f"{len(everyone[0])} parameters and buffers on rank 0 but {len(theirs)} on rank {rank}",
+        )
+        raise ValueError(f"every rank must wrap the same model; found {mismatch}")
+
+
+def _broadcast_from_first_rank(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Make every parameter and buffer equal to rank 0's (its initialization wins)."""
+    source = global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=source, group=group)

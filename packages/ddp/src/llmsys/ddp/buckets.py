@@ -1,0 +1,50 @@
+"""The bucket plan: which gradients travel together in one all-reduce.
+
+A pure function of the parameters' sizes, so every rank computes the same plan from the same
+model (collectives are matched by the order they are issued in; two ranks with different plans
+would pair unrelated buckets) and the plan can be tested alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+MIB = 1024 * 1024
+
+
+def plan_buckets(
+    nbytes: Sequence[int],
+    bucket_size_mb: float,
+    kinds: Sequence[Hashable] | None = None,
+) -> list[list[int]]:
+    """Group parameters into buckets of at most ``bucket_size_mb`` MiB, in reverse order.
+
+    Args:
+        nbytes: bytes of each parameter's gradient on the wire, in registration order.
+        bucket_size_mb: the cap per bucket in MiB (2**20 bytes, as torch DDP's
+            ``bucket_cap_mb``); a parameter larger than the cap gets a bucket of its own.
+        kinds: optional key per parameter (for example its dtype); a bucket never mixes
+            kinds, because one all-reduce moves one dtype.
+
+    Returns:
+        Lists of parameter indices. Buckets come in the order backward produces gradients:
+        the last registered parameter first. Inside a bucket indices are in that same order.
+    """
+    if bucket_size_mb <= 0:
+        raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+    if kinds is not None and len(kinds) != len(nbytes):
+        raise ValueError(
+            f"kinds must have one entry per parameter ({len(nbytes)}), got {len(kinds)}"
+        )
+    cap = bucket_size_mb * MIB
+    buckets: list[list[int]] = []
+    filled = 0.0
+    for index in reversed(range(len(nbytes))):
+        same_kind = kinds is None or not buckets or kinds[buckets[-1][-1]] == kinds[index]
+        if buckets and same_kind and filled + nbytes[index] <= cap:
+            buckets[-1].append(index)
+            filled += nbytes[index]
+        else:
+            buckets.append([index])
+            filled = nbytes[index]
+    return buckets

@@ -1,0 +1,225 @@
+"""Four ways to average gradients over ranks, from the simplest to the one torch DDP uses.
+
+All four keep the contract of :class:`~llmsys.ddp.base.DataParallel`; they differ in how many
+collectives they issue and when:
+
+| wrapper                    | collectives per step          | starts communicating      |
+|----------------------------|-------------------------------|---------------------------|
+| ``DDPNaive``               | one per parameter             | after backward            |
+| ``DDPFlat``                | one (per dtype)               | after backward            |
+| ``DDPIndividualParameters``| one per parameter             | as each gradient is ready |
+| ``DDPBucketed``            | one per bucket of ~25 MiB     | as each bucket is ready   |
+
+Each collective has a fixed cost (launch, synchronization between ranks) on top of its bytes, so
+few large collectives beat many small ones; and communication started during backward hides
+behind the rest of backward. Bucketing gets both (``docs/overlap.md`` models the trade-off).
+
+Collectives are matched across ranks by the order they are issued in, so the overlapping
+wrappers launch buckets strictly in plan order: a bucket whose gradients are complete waits for
+the buckets planned before it. Autograd's order can differ between ranks; the plan cannot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .base import DataParallel
+from .buckets import plan_buckets
+
+
+def _divide(tensors: list[torch.Tensor], divisor: int) -> None:
+    """Sums over ranks become means, one kernel launch for the whole list."""
+    if tensors:
+        torch._foreach_div_(tensors, divisor)
+
+
+class DDPNaive(DataParallel):
+    """One blocking all-reduce per parameter, after backward. The baseline: simple and slow.
+
+    Args:
+        module: the model (reachable as ``.module``).
+        process_group: the ranks to average over (default: all).
+    """
+
+    def _synchronize(self) -> None:
+        used = self._used_everywhere()
+        grads = [p.grad for p, is_used in zip(self.params, used, strict=True) if is_used]
+        for grad in grads:
+            dist.all_reduce(grad, group=self.process_group)
+        _divide(grads, self.world_size)
+
+
+class DDPFlat(DataParallel):
+    """Every gradient copied into one flat buffer per dtype, one all-reduce, copied back.
+
+    Args:
+        module: the model (reachable as ``.module``).
+        process_group: the ranks to average over (default: all).
+    """
+
+    def _synchronize(self) -> None:
+        used = self._used_everywhere()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param, is_used in zip(self.params, used, strict=True):
+            if is_used:
+                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.process_group)
+            flat.div_(self.world_size)
+            for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                grad.copy_(piece.view_as(grad))
+
+
+class _Bucket:
+    """Parameters whose gradients travel in one all-reduce.
+
+    A bucket of one parameter whose gradient already has the wire dtype reduces ``.grad`` in
+    place; any other bucket copies its gradients into a flat buffer of the wire dtype first.
+    """
+
+    def __init__(self, indices: list[int], params: list[nn.Parameter], wire_dtype: torch.dtype):
+        self.indices = indices
+        self.wire_dtype = wire_dtype
+        self.in_place = len(indices) == 1 and params[indices[0]].dtype == wire_dtype
+        self.numels = [params[i].numel() for i in indices]
+        self.buffer: torch.Tensor | None = None
+        self.reduced: torch.Tensor | None = None  # the tensor the all-reduce works on
+        self.waiting = len(indices)  # gradients still to arrive in this backward
+        self.work: dist.Work | None = None
+
+    def views(self) -> list[torch.Tensor]:
+        return list(self.buffer.split(self.numels))
+
+
+class _OverlappedDataParallel(DataParallel):
+    """Buckets launched from the gradient hooks, in plan order; the rest at the end."""
+
+    def __init__(self, module, plan_of, *, process_group=None):
+        super().__init__(module, process_group=process_group)
+        plan, wire_dtypes = plan_of(self.params)
+        self.buckets = [_Bucket(indices, self.params, wire_dtypes[indices[0]]) for indices in plan]
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
+        self._next = 0  # the next bucket to launch
+
+    def _gradient_ready(self, index: int) -> None:
+        bucket = self.buckets[self._bucket_of[index]]
+        bucket.waiting -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [self.params[i].grad for i in bucket.indices]
+        if bucket.in_place:
+            # No gradient here (unused in this step): zeros keep the ranks' collectives matched.
+            param = self.params[bucket.indices[0]]
+            reduced = grads[0] if grads[0] is not None else torch.zeros_like(param)
+        else:
+            device = self.params[bucket.indices[0]].device
+            if bucket.buffer is None or bucket.buffer.device != device:
+                bucket.buffer = torch.empty(
+                    sum(bucket.numels), dtype=bucket.wire_dtype, device=device
+                )
+            for grad, view in zip(grads, bucket.views(), strict=True):
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad.reshape(-1))
+            reduced = bucket.buffer
+        bucket.reduced = reduced
+        bucket.work = dist.all_reduce(reduced, group=self.process_group, async_op=True)
+
+    def _synchronize(self) -> None:
+        # Buckets still incomplete (a parameter unused in this backward, or used only in an
+        # earlier no_sync micro-batch) go now, in plan order like the others.
+        for bucket in self.buckets[self._next :]:
+            self._launch(bucket)
+        self._next = len(self.buckets)
+        used = self._used_everywhere()
+        in_place = []
+        for bucket in self.buckets:
+            bucket.work.wait()
+            if bucket.in_place:
+                if used[bucket.indices[0]]:
+                    in_place.append(bucket.reduced)
+                continue
+            for i, view in zip(bucket.indices, bucket.views(), strict=True):
+                if used[i]:
+                    grad = self.params[i].grad
+                    torch.div(view.view_as(grad), self.world_size, out=grad)
+        _divide(in_place, self.world_size)
+
+    def _reset(self) -> None:
+        super()._reset()
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()  # a step that raised may leave collectives in flight
+            bucket.work = bucket.reduced = None
+            bucket.waiting = len(bucket.indices)
+        self._next = 0
+
+
+class DDPIndividualParameters(_OverlappedDataParallel):
+    """An asynchronous all-reduce per parameter, launched by the hook that sees its gradient
+    complete, so communication overlaps the rest of backward.
+
+    Launches follow reverse registration order (the order backward usually produces gradients);
+    a gradient that arrives early waits for the parameters before it in that order.
+
+    Args:
+        module: the model (reachable as ``.module``).
+        process_group: the ranks to average over (default: all).
+    """
+
+    def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):
+        def one_per_parameter(params):
+            return [[i] for i in reversed(range(len(params)))], [p.dtype for p in params]
+
+        super().__init__(module, one_per_parameter, process_group=process_group)
+
+
+class DDPBucketed(_OverlappedDataParallel):
+    """Gradients grouped into buckets of at most ``bucket_size_mb`` MiB, in reverse registration
+    order; one asynchronous all-reduce per bucket, launched when its last gradient arrives.
+
+    Args:
+        module: the model (reachable as ``.module``).
+        bucket_size_mb: the cap per bucket in MiB of gradient bytes on the wire (default 25.0,
+            torch DDP's default); a parameter larger than the cap gets its own bucket.
+        grad_dtype: the dtype gradients are reduced in (default: their own). ``torch.bfloat16``
+            halves the bytes on the wire of float32 gradients: they are rounded to bfloat16,
+            summed in bfloat16 and the mean is written back in float32, as torch DDP's
+            ``bf16_compress_hook`` does.
+        process_group: the ranks to average over (default: all).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        bucket_size_mb: float = 25.0,
+        grad_dtype: torch.dtype | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+            raise TypeError(f"bucket_size_mb must be a number, got {type(bucket_size_mb).__name__}")
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        if grad_dtype is not None and not (
+            isinstance(grad_dtype, torch.dtype) and grad_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"grad_dtype must be None or a floating torch.dtype, got {grad_dtype!r}"
+            )
+        self.bucket_size_mb = float(bucket_size_mb)
+        self.grad_dtype = grad_dtype
+
+        def by_size(params):
+            wire = [grad_dtype or p.dtype for p in params]
+            nbytes = [p.numel() * w.itemsize for p, w in zip(params, wire, strict=True)]
+            return plan_buckets(nbytes, bucket_size_mb, kinds=wire), wire
+
+        super().__init__(module, by_size, process_group=process_group)

@@ -1,0 +1,131 @@
+"""Run a test function on N ranks of `torch.distributed`, the way `torchrun` would, with a timeout.
+
+Distributed tests use it through the root conftest's ``run_ranks`` fixture:
+
+    def check_broadcast(rank: int, world_size: int, size: int) -> None:  # module level
+        ...                                                               # asserts, on every rank
+
+    def test_broadcast(run_ranks):
+        run_ranks(check_broadcast, world_size=2, size=7)
+
+Each rank is a fresh Python process with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT on a free port). It loads the function's file by path (so test modules
+need not be importable by name), joins the process group (gloo on CPU, or the ``backend`` asked
+for), calls ``fn(rank, world_size, **kwargs)`` and leaves the group. A rank that raises makes the
+whole run fail with every rank's output; a rank still running after ``timeout`` seconds (a
+collective waiting for a peer that will never come) is killed and the run fails saying so. No
+test can hang CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, exited non-zero or ran past the timeout."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    fn: Callable[..., object],
+    world_size: int = 2,
+    *,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    **kwargs: object,
+) -> None:
+    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` processes; raise if any fails."""
+    if not callable(fn) or fn.__name__ != fn.__qualname__:
+        raise TypeError(f"fn must be a module-level function, got {fn!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as scratch:
+        job = Path(scratch, "job.pkl")
+        job.write_bytes(pickle.dumps((inspect.getfile(fn), fn.__name__, backend, kwargs)))
+        procs = []
+        for rank in range(world_size):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            log = open(Path(scratch, f"rank{rank}.log"), "w+")  # noqa: SIM115 (closed below)
+            cmd = [sys.executable, __file__, str(job)]
+            procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log), log))
+        problems = _wait(procs, timeout)
+        outputs = []
+        for rank, (proc, log) in enumerate(procs):
+            log.seek(0)
+            outputs.append(f"----- rank {rank} (exit code {proc.returncode}) -----\n{log.read()}")
+            log.close()
+    if problems:
+        raise RankFailure("; ".join(problems) + "\n" + "\n".join(outputs))
+
+
+def _wait(procs: list, timeout: float) -> list[str]:
+    """Wait for every rank; once one fails, give the others a few seconds, then kill them."""
+    deadline = time.monotonic() + timeout
+    problems: list[str] = []
+    while any(p.poll() is None for p, _ in procs):
+        failed = [r for r, (p, _) in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed and not problems:
+            problems.append(f"rank(s) {failed} failed")
+            deadline = min(deadline, time.monotonic() + 10.0)  # peers may be stuck waiting
+        if time.monotonic() > deadline:
+            stuck = [r for r, (p, _) in enumerate(procs) if p.poll() is None]
+            problems.append(f"rank(s) {stuck} still running after the timeout; killed")
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            break
+        time.sleep(0.05)
+    failed = [r for r, (p, _) in enumerate(procs) if p.returncode not in (0, None, -9)]
+    if failed and not problems:
+        problems.append(f"rank(s) {failed} failed")
+    return problems
+
+
+def _rank_main(job_file: str) -> None:
+    import torch.distributed as dist
+
+    path, name, backend, kwargs = pickle.loads(Path(job_file).read_bytes())
+    spec = importlib.util.spec_from_file_location(f"_ranks_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(path).parent))  # siblings of the test file import as in pytest
+    spec.loader.exec_module(module)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+    try:
+        getattr(module, name)(rank, world_size, **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1])

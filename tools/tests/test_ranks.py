@@ -1,0 +1,49 @@
+"""The distributed test launcher: results, failures with tracebacks, timeouts instead of hangs."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llmsys_dev.ranks import RankFailure, run_ranks
+
+
+def sums_ranks(rank: int, world_size: int, scale: int) -> None:
+    total = torch.tensor([float(rank * scale)])
+    dist.all_reduce(total)
+    assert total.item() == scale * sum(range(world_size))
+    assert dist.get_backend() == "gloo"
+
+
+def fails_on_rank_one(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("planted failure on rank one")
+    dist.barrier()  # rank 0 now waits for a peer that will never come
+
+
+def sleeps(rank: int, world_size: int) -> None:
+    time.sleep(60)
+
+
+def test_every_rank_runs_the_function_in_the_process_group():
+    run_ranks(sums_ranks, world_size=2, scale=3)
+
+
+def test_a_failing_rank_fails_the_run_with_its_traceback_and_does_not_hang():
+    started = time.monotonic()
+    with pytest.raises(
+        RankFailure, match=r"(?s)rank\(s\) \[(0, )?1\] failed.*planted failure on rank one"
+    ):
+        run_ranks(fails_on_rank_one, world_size=2, timeout=120)
+    assert time.monotonic() - started < 60  # the stuck peer was killed, not waited for
+
+
+def test_a_run_past_the_timeout_is_killed_and_fails():
+    with pytest.raises(RankFailure, match=r"still running after the timeout; killed"):
+        run_ranks(sleeps, world_size=2, timeout=8)
+
+
+def test_only_module_level_functions():
+    with pytest.raises(TypeError, match="module-level function"):
+        run_ranks(lambda rank, world_size: None)
