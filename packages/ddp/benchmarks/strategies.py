@@ -1,0 +1,214 @@
+"""Time per training step under each data-parallel strategy, one process per GPU: use torchrun.
+
+    torchrun --nproc-per-node 2 strategies.py --out steps.csv     # xl, context 512, batch 4/GPU
+
+The model is the profiling package's ``TransformerLM`` (xl: d_model 1600, d_ff 6400, 48 layers,
+25 heads, vocab 10000; SDPA attention, SwiGLU), trained with bf16 autocast and fused AdamW on
+random tokens. Every strategy runs in this one process group, one after another, on a freshly
+built model: our four wrappers (bucketed at several sizes and with bf16 on the wire), torch's
+``DistributedDataParallel`` (the anchor, default 25 MiB buckets, also with its bf16 compression
+hook), and "no communication": each GPU training alone on the same per-GPU batch, the floor any
+strategy can reach.
+
+Per strategy: the median step (the slowest rank's), the exposed communication (step minus the
+no-communication step), the GPU time of NCCL kernels in one profiled step (communication
+overlapped or not) and the peak memory. Rank 0 writes the rows to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from llmsys.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, init_distributed
+from llmsys.profiling import accounting, results, training
+from llmsys.profiling.config import ModelConfig
+from llmsys.profiling.model import TransformerLM
+
+
+def torch_ddp(module, *, bf16: bool = False):
+    device = next(module.parameters()).device
+    ddp = DistributedDataParallel(
+        module, device_ids=[device.index] if device.type == "cuda" else None
+    )
+    if bf16:
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    return ddp
+
+
+STRATEGIES: dict[str, Callable | None] = {
+    "no communication": None,
+    "torch DDP": torch_ddp,
+    "torch DDP bf16 hook": functools.partial(torch_ddp, bf16=True),
+    "naive": DDPNaive,
+    "flat": DDPFlat,
+    "individual": DDPIndividualParameters,
+    **{
+        f"bucketed {size} MB": functools.partial(DDPBucketed, bucket_size_mb=size)
+        for size in (1, 10, 25, 100, 1000)
+    },
+    **{
+        f"bucketed {size} MB bf16": functools.partial(
+            DDPBucketed, bucket_size_mb=size, grad_dtype=torch.bfloat16
+        )
+        for size in (25, 100)
+    },
+}
+BASELINE = "torch DDP"
+
+
+def train_step(model, optimizer, tokens, targets, dtype: str) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    with training.autocast(dtype, tokens.device):
+        loss = training.lm_loss(model(tokens), targets)
+    loss.backward()
+    if hasattr(model, "finish_gradient_synchronization"):
+        model.finish_gradient_synchronization()
+    optimizer.step()
+
+
+def slowest(value: float, device) -> float:
+    """The largest value over the ranks (a step is as slow as its slowest rank)."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.item()
+
+
+def nccl_kernel_ms(step: Callable[[], None]) -> float | None:
+    """GPU time of NCCL kernels in one profiled call of ``step`` (None off CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.events()
+    return sum(e.device_time_total for e in events if "nccl" in e.name.lower()) / 1e3
+
+
+def measure(name: str, args, config: ModelConfig, device, rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = TransformerLM(config, device=device)
+    wrap = STRATEGIES[name]
+    if wrap is not None and world_size > 1:
+        model = wrap(model)
+    optimizer = training.make_optimizer(model, "adamw-fused")
+    torch.manual_seed(1 + rank)  # each rank its own slice of data
+    tokens, targets = training.random_batch(config, args.batch_size, args.context_length, device)
+    step = functools.partial(train_step, model, optimizer, tokens, targets, args.dtype)
+    for _ in range(args.warmup):
+        step()
+    training.synchronize(device)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        step()
+        training.synchronize(device)
+        times.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.cuda.is_available() else None
+    comm = nccl_kernel_ms(step) if wrap is not None and world_size > 1 else 0.0
+    measured = {
+        "times_ms": [slowest(t, device) * 1e3 for t in times],
+        "nccl_ms": comm,
+        "peak_gib": peak,
+        "buckets": len(getattr(model, "buckets", [])) or None,
+    }
+    del model, optimizer, step
+    training.free_device_memory(device)
+    return measured
+
+
+def rows_for(measured: dict[str, dict], args, config, world_size, device) -> list[results.Row]:
+    tokens = world_size * args.batch_size * args.context_length
+    flops = accounting.step_flops(config, args.batch_size, args.context_length, "train-step")
+    peak, peak_source = accounting.peak_flops(
+        results.device_name(device), accounting.matmul_precision(args.dtype)
+    )
+    floor = statistics.median(measured["no communication"]["times_ms"])
+    anchor = measured.get(BASELINE)
+    anchor_ms = statistics.median(anchor["times_ms"]) if anchor else None
+    rows = []
+    for name, m in measured.items():
+        p20, p50, p80 = results.quantiles(m["times_ms"])
+        notes = [f"exposed communication {p50 - floor:.1f} ms", f"{p50 / floor:.2f}x no-comm"]
+        if m["nccl_ms"]:
+            notes.append(f"NCCL kernels {m['nccl_ms']:.1f} ms/step")
+        if m["buckets"]:
+            notes.append(f"{m['buckets']} buckets")
+        notes.append(f"MFU vs {peak_source}" if peak else "")
+        rows.append(
+            results.Row(
+                kernel="transformer_lm/data_parallel",
+                provider=name,
+                mode=f"{world_size} ranks",
+                x=f"{args.size} ctx{args.context_length} b{args.batch_size}/rank",
+                dtype=args.dtype,
+                p20=p20,
+                p50=p50,
+                p80=p80,
+                throughput=tokens / (p50 / 1e3),
+                throughput_unit="tokens/s",
+                roofline_fraction=flops / (p50 / 1e3) / peak if peak else None,
+                speedup_vs_baseline=anchor_ms / p50 if anchor_ms else None,
+                config="; ".join(n for n in notes if n),
+                gpu=results.device_name(device),
+                version=torch.__version__,
+                timestamp=results.timestamp(),
+                mean=statistics.fmean(m["times_ms"]),
+                std=statistics.pstdev(m["times_ms"]),
+                memory_gib=m["peak_gib"],
+            )
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="xl", help="a profiling model size (default xl)")
+    parser.add_argument("--context-length", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--dtype", choices=training.DTYPES, default="bf16")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=None)
+    parser.add_argument("--out", type=Path, required=True, help="CSV written by rank 0")
+    args = parser.parse_args(argv)
+    rank, world_size = init_distributed()
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    config = ModelConfig.named(args.size, context_length=args.context_length, ffn="eager")
+    names = args.strategies or list(STRATEGIES)
+    names = ["no communication"] + [n for n in names if n != "no communication"]
+    if not torch.cuda.is_available():  # torch's hook needs NCCL; ours runs on gloo too
+        names.remove("torch DDP bf16 hook")
+    measured = {}
+    for name in names:
+        gc.collect()
+        measured[name] = measure(name, args, config, device, rank, world_size)
+        if rank == 0:
+            print(f"{name:24s} {statistics.median(measured[name]['times_ms']):8.1f} ms", flush=True)
+    if rank == 0:
+        rows = rows_for(measured, args, config, world_size, device)
+        results.write_csv(rows, args.out)
+        print(results.markdown_table(rows))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

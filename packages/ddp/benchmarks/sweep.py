@@ -1,0 +1,144 @@
+"""ddp sweep: all-reduce bandwidth and the data-parallel strategies, each launched with torchrun.
+Writes ``results/<gpu>.csv`` (the shared schema) and ``results/<gpu>.png``; the ``bench`` main
+job calls :func:`run`.
+
+On a host with 2 or more GPUs: NCCL all-reduce of 1 MB to 1 GB float32 on 2, 4, 6 and 8 ranks as
+the host has GPUs, gloo on the host's CPU cores with 2, 4 and 6 processes (1 to 100 MB), and the
+strategy benchmark (xl, context 512, batch 4 per GPU, bf16) on 2 GPUs. On one GPU only the gloo
+rows run. On a CPU-only machine: gloo with 2 processes and the strategies on the tiny model.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
+
+import torch
+
+from llmsys.profiling import results
+from llmsys_bench import harness
+from llmsys_dev.ranks import free_port
+from llmsys_dev.workspace import source_paths
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+
+
+def _gpus(device: str) -> int:
+    return torch.cuda.device_count() if device == "cuda" else 0
+
+
+def commands(device: str, quick: bool) -> list[tuple[str, int, list[str]]]:
+    """(script, processes, arguments) of every torchrun launch this sweep makes on ``device``."""
+    gpus = _gpus(device)
+    small = quick or gpus == 0
+    gloo_sizes = ["1", "10"] if small else ["1", "10", "100"]
+    gloo_ranks = [2] if small else [n for n in (2, 4, 6) if n <= (os.cpu_count() or 1)]
+    runs = [("all_reduce.py", n, ["--backend", "gloo", "--sizes-mb", *gloo_sizes,
+             "--rounds", "3" if small else "5"]) for n in gloo_ranks]  # fmt: skip
+    if gpus >= 2:
+        runs += [("all_reduce.py", n, ["--backend", "nccl"]) for n in (2, 4, 6, 8) if n <= gpus]
+        runs.append(("strategies.py", 2, ["--size", "tiny" if quick else "xl"]))
+    elif gpus == 0:
+        tiny = ["--size", "tiny", "--context-length", "32", "--batch-size", "2", "--dtype", "fp32"]
+        runs.append(("strategies.py", 2, [*tiny, "--steps", "2", "--warmup", "1"]))
+    return runs
+
+
+def skipped(device: str) -> list[str]:
+    if device == "cuda" and _gpus(device) < 2:
+        return ["NCCL all-reduce and the data-parallel strategies: need 2 GPUs, this host has 1 "
+                "(the committed h200 results come from 2 H200s)"]  # fmt: skip
+    return []
+
+
+def torchrun(script: str, processes: int, arguments: list[str]) -> list[results.Row]:
+    """Launch ``script`` on ``processes`` ranks; the rows its rank 0 wrote."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*source_paths(), env.get("PYTHONPATH", "")])
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch, "rows.csv")
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+            "--master-port", str(free_port()), str(HERE / script), *arguments, "--out", str(out),
+        ]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+        return results.read_rows(out)
+
+
+def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[results.Row]:
+    rows = []
+    for script, processes, arguments in commands(device, quick):
+        rows += torchrun(script, processes, arguments)
+        if progress:
+            progress()
+    return rows
+
+
+def report_markdown(rows: list[results.Row]) -> str:
+    reduce = [r for r in rows if r.kernel == "all_reduce"]
+    steps = [r for r in rows if r.kernel != "all_reduce"]
+    parts = []
+    if reduce:
+        parts.append("### All-reduce (float32; throughput is bus bandwidth)\n\n"
+                     + results.markdown_table(reduce))  # fmt: skip
+    if steps:
+        parts.append("### Training step per strategy (`vs baseline`: torch DDP's time over this "
+                     "one's; the config column has exposed and total communication)\n\n"
+                     + results.markdown_table(steps))  # fmt: skip
+    return "\n\n".join(parts)
+
+
+def plot(rows: list[results.Row], path: Path) -> Path:
+    """Left: all-reduce bus bandwidth against size. Right: step time per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    reduce = [r for r in rows if r.kernel == "all_reduce"]
+    for key in dict.fromkeys((r.provider, r.mode) for r in reduce):
+        mine = [r for r in reduce if (r.provider, r.mode) == key]
+        sizes = [float(r.x.split()[0]) for r in mine]
+        left.plot(sizes, [r.throughput for r in mine], marker="o", label=" ".join(key))
+    left.set(xscale="log", yscale="log", xlabel="MB", ylabel="bus bandwidth GB/s")
+    left.set_title("all-reduce")
+    left.grid(alpha=0.3, which="both")
+    if reduce:
+        left.legend(fontsize=8)
+    steps = [r for r in rows if r.kernel != "all_reduce"]
+    if steps:
+        right.barh([r.provider for r in steps], [r.p50 for r in steps], color="tab:blue")
+        floor = next((r.p50 for r in steps if r.provider == "no communication"), None)
+        if floor:
+            right.axvline(floor, color="gray", ls="--", label="no communication")
+            right.axvline(1.15 * floor, color="tab:red", ls=":", label="1.15x no communication")
+            right.legend(fontsize=8)
+        right.invert_yaxis()
+        right.set_xlabel("ms per training step (median, slowest rank)")
+        right.set_title(f"{steps[0].x}, {steps[0].mode}, {steps[0].dtype}")
+    return harness.save_figure(fig, path, "llmsys-ddp")
+
+
+def main() -> None:
+    parser = harness.sweep_arguments(__doc__.splitlines()[0], RESULTS, "the smallest cases")
+    args = parser.parse_args()
+    if args.replot:
+        print(harness.replot(args.replot, plot))
+        return
+    rows = run(args.device, quick=args.quick)
+    csv = harness.write_csv(rows, args.out / f"{harness.device_slug(args.device)}.csv")
+    print(report_markdown(rows))
+    print(f"wrote {csv} and {plot(rows, csv.with_suffix('.png'))}")
+
+
+if __name__ == "__main__":
+    main()
