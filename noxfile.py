@@ -129,6 +129,23 @@ def bench(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def distributed(session: nox.Session) -> None:
+    """Multi-process runs with torchrun: the ddp example on 2 ranks, then the ddp sweep.
+
+    On a CPU-only machine 2 gloo ranks; on a host with 2 or more GPUs one NCCL rank per GPU
+    (all-reduce on every rank count the host has, the xl strategy benchmark on 2 GPUs). Extra
+    arguments go to the sweep (`-- --quick`).
+    """
+    python = sys.executable if _host_has_cuda() else envs.dev_env()
+    env = envs.source_env()
+    ddp = ROOT / "packages" / "ddp"
+    torchrun = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    session.run(*torchrun, ddp / "examples" / "smallest.py", env=env, external=True)
+    sweep = ddp / "benchmarks" / "sweep.py"
+    session.run(python, sweep, *session.posargs, env=env, external=True)
+
+
+@nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
     """GPU tests, benchmarks against the committed baselines, and sweeps (host python).
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from llmsys.ddp import init_distributed
+from llmsys.ddp import init_distributed, local_device
 from llmsys.profiling import results
 
 MB = 10**6  # sizes are decimal megabytes, as nccl-tests and the issue state them
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rank, world_size = init_distributed(args.backend)
     backend = dist.get_backend() if dist.is_initialized() else "none"
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    device = local_device()
     rows = []
     for size_mb in args.sizes_mb:
         tensor = torch.zeros(int(size_mb * MB) // 4, device=device)  # sums stay finite

@@ -30,7 +30,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from llmsys.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, init_distributed
+from llmsys.ddp import (
+    DDPBucketed,
+    DDPFlat,
+    DDPIndividualParameters,
+    DDPNaive,
+    init_distributed,
+    local_device,
+)
 from llmsys.profiling import accounting, results, training
 from llmsys.profiling.config import ModelConfig
 from llmsys.profiling.model import TransformerLM
@@ -86,9 +93,9 @@ def slowest(value: float, device) -> float:
     return tensor.item()
 
 
-def nccl_kernel_ms(step: Callable[[], None]) -> float | None:
+def nccl_kernel_ms(step: Callable[[], None], device: torch.device) -> float | None:
     """GPU time of NCCL kernels in one profiled call of ``step`` (None off CUDA)."""
-    if not torch.cuda.is_available():
+    if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
 
@@ -112,7 +119,8 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
     for _ in range(args.warmup):
         step()
     training.synchronize(device)
-    if torch.cuda.is_available():
+    on_gpu = device.type == "cuda"
+    if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.steps):
@@ -120,8 +128,8 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
         step()
         training.synchronize(device)
         times.append(time.perf_counter() - started)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.cuda.is_available() else None
-    comm = nccl_kernel_ms(step) if wrap is not None and world_size > 1 else 0.0
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
+    comm = nccl_kernel_ms(step, device) if wrap is not None and world_size > 1 else 0.0
     measured = {
         "times_ms": [slowest(t, device) * 1e3 for t in times],
         "nccl_ms": comm,
@@ -189,12 +197,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="CSV written by rank 0")
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = local_device()
     config = ModelConfig.named(args.size, context_length=args.context_length, ffn="eager")
     names = args.strategies or list(STRATEGIES)
     names = ["no communication"] + [n for n in names if n != "no communication"]
-    if not torch.cuda.is_available():  # torch's hook needs NCCL; ours runs on gloo too
+    if device.type != "cuda":  # torch's hook needs NCCL; ours runs on gloo too
         names.remove("torch DDP bf16 hook")
     measured = {}
     for name in names:

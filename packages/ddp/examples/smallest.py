@@ -11,12 +11,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llmsys.ddp import DDPBucketed, init_distributed
+from llmsys.ddp import DDPBucketed, init_distributed, local_device
 
 
 def main() -> None:
-    rank, world_size = init_distributed()  # gloo on CPU, NCCL with one GPU per rank
-    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    rank, world_size = init_distributed()  # NCCL with a GPU per rank, else gloo on the CPU
+    device = local_device()
     torch.manual_seed(rank)  # every rank starts differently; the wrapper takes rank 0's weights
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1)).to(device)
     model = DDPBucketed(model, bucket_size_mb=0.01)  # small buckets, so there are several

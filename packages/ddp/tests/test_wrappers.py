@@ -106,28 +106,28 @@ def batches(kind: str, steps: int = STEPS):
     return [MODELS[kind][1](generator) for _ in range(steps)]
 
 
-def train_single_process(kind: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+def train_single_process(kind: str, steps: int = STEPS, device="cpu") -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     make, _, loss_fn = MODELS[kind]
-    model = make()
+    model = make().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for inputs, targets in batches(kind, steps):
         optimizer.zero_grad()
-        loss_fn(model(inputs), targets).backward()
+        loss_fn(model(inputs.to(device)), targets.to(device)).backward()
         optimizer.step()
     return model.state_dict()
 
 
-def train_data_parallel(kind, wrap, rank, world_size, steps: int = STEPS):
+def train_data_parallel(kind, wrap, rank, world_size, steps: int = STEPS, device="cpu"):
     torch.manual_seed(rank)  # each rank initializes differently: rank 0's weights must win
     make, _, loss_fn = MODELS[kind]
-    model = wrap(make())
+    model = wrap(make().to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
     losses = []
     for inputs, targets in batches(kind, steps):
         optimizer.zero_grad()
-        loss = loss_fn(model(inputs[mine]), targets[mine])
+        loss = loss_fn(model(inputs[mine].to(device)), targets[mine].to(device))
         loss.backward()
         model.finish_gradient_synchronization()
         optimizer.step()
@@ -143,11 +143,11 @@ def assert_same_weights(expected, got: nn.Module, label: str, atol: float = 1e-9
         assert error <= atol, f"{label}: {name} differs from single-process training by {error}"
 
 
-def check_every_wrapper(rank: int, world_size: int, kind: str) -> None:
+def check_every_wrapper(rank: int, world_size: int, kind: str, device: str = "cpu") -> None:
     torch.set_default_dtype(torch.float64)
-    expected = train_single_process(kind)
+    expected = train_single_process(kind, device=device)
     for name, wrap in WRAPPERS.items():
-        model, _ = train_data_parallel(kind, wrap, rank, world_size)
+        model, _ = train_data_parallel(kind, wrap, rank, world_size, device=device)
         assert_same_weights(expected, model.module, f"{name} on {kind}")
         if name.startswith("bucketed"):
             planned = {"one per parameter": len(model.params), "two": 2, "one bucket": 1}
@@ -158,6 +158,14 @@ def check_every_wrapper(rank: int, world_size: int, kind: str) -> None:
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_matches_single_process_training(run_ranks, kind):
     run_ranks(check_every_wrapper, kind=kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_nccl_on_two_gpus_matches_single_process_training(run_ranks, kind):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs for one NCCL rank each")
+    run_ranks(check_every_wrapper, backend="nccl", kind=kind, device="cuda")
 
 
 def test_world_size_one_process_group(run_ranks):

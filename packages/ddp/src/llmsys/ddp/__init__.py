@@ -11,7 +11,7 @@ overlap.
 
 from .base import DataParallel
 from .buckets import plan_buckets
-from .process_group import init_distributed, rank_and_world_size
+from .process_group import init_distributed, local_device, rank_and_world_size
 from .wrappers import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "DataParallel",
     "__version__",
     "init_distributed",
+    "local_device",
     "plan_buckets",
     "rank_and_world_size",
 ]

@@ -18,8 +18,9 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     """Join the process group described by the environment; returns ``(rank, world_size)``.
 
     Args:
-        backend: "nccl" or "gloo"; default NCCL where CUDA is available, else gloo. With NCCL
-            the process's CUDA device becomes ``cuda:LOCAL_RANK`` (one GPU per process).
+        backend: "nccl" or "gloo"; default NCCL where this host has a GPU for every local rank,
+            else gloo. With NCCL the process's CUDA device becomes ``cuda:LOCAL_RANK`` (one GPU
+            per process).
 
     Without torchrun's variables (a plain ``python`` run) nothing is joined and the result is
     ``(0, 1)``: the data-parallel wrappers then train as one process with no communication. A
@@ -30,11 +31,22 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
+        backend = "nccl" if enough_gpus else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
+
+
+def local_device() -> torch.device:
+    """Where this rank's model lives: its GPU under NCCL (or a plain run on a GPU host), else
+    the CPU."""
+    nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    if nccl or (not dist.is_initialized() and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def rank_and_world_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
