@@ -136,9 +136,22 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
         "peak_gib": peak,
         "buckets": len(getattr(model, "buckets", [])) or None,
     }
+    release(model, optimizer)
     del model, optimizer, step
     training.free_device_memory(device)
     return measured
+
+
+def release(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Free the weights, gradients, optimizer state and buckets now. torch DDP's C++ reducer and
+    the parameters' hooks reference each other, a cycle the garbage collector cannot see, so
+    deleting the model leaves its memory allocated; emptying the tensors frees it anyway."""
+    optimizer.state.clear()
+    for bucket in getattr(model, "buckets", []):
+        bucket.buffer = bucket.reduced = None
+    for param in model.parameters():
+        param.grad = None
+        param.data = torch.empty(0, device=param.device)
 
 
 def rows_for(measured: dict[str, dict], args, config, world_size, device) -> list[results.Row]:
@@ -208,7 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         measured[name] = measure(name, args, config, device, rank, world_size)
         if rank == 0:
-            print(f"{name:24s} {statistics.median(measured[name]['times_ms']):8.1f} ms", flush=True)
+            m = measured[name]
+            left = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0
+            print(f"{name:24s} {statistics.median(m['times_ms']):8.1f} ms, peak "
+                  f"{m['peak_gib'] or 0:.1f} GiB, {left:.1f} GiB left after", flush=True)  # fmt: skip
     if rank == 0:
         rows = rows_for(measured, args, config, world_size, device)
         results.write_csv(rows, args.out)
