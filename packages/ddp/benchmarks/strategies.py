@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             m = measured[name]
             left = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0
             print(f"{name:24s} {statistics.median(m['times_ms']):8.1f} ms, peak "
-                  f"{m['peak_gib'] or 0:.1f} GiB, {left:.1f} GiB left after", flush=True)  # fmt: skip
+                  f"{m['peak_gib'] or 0:.1f} GiB, {left:.1f} GiB left", flush=True)  # fmt: skip
     if rank == 0:
         rows = rows_for(measured, args, config, world_size, device)
         results.write_csv(rows, args.out)
