@@ -33,7 +33,7 @@ def main() -> None:
         loss.backward()
         model.finish_gradient_synchronization()
         optimizer.step()
-        if step % 20 == 0 or step == 59:
+        if rank == 0 and (step % 20 == 0 or step == 59):
             print(f"rank {rank}/{world_size} step {step:2d} loss {loss.item():.4f}", flush=True)
 
     if world_size > 1:  # every rank must hold the same weights after training

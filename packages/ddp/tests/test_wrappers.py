@@ -187,14 +187,14 @@ def test_without_a_process_group_is_plain_training():
 class Branches(nn.Module):
     """Which of two layers runs is chosen per call; a third layer is never used."""
 
-    def __init__(self):
+    def __init__(self, with_unused_layer: bool = True):
         super().__init__()
         self.a = nn.Linear(6, 3)
         self.b = nn.Linear(6, 3)
-        self.never = nn.Linear(6, 3)
+        self.never = nn.Linear(6, 3) if with_unused_layer else None
 
     def forward(self, x, branch: str):
-        return self.a(x) if branch == "a" else self.b(x)
+        return sum(getattr(self, layer)(x) for layer in branch)  # branch "a", "b" or "ab"
 
 
 # Micro-batch branches per step: the used set changes between micro-batches and steps, and in
@@ -255,6 +255,15 @@ def check_misuse_is_named(rank: int, world_size: int) -> None:
         message = str(error.value)
         assert "'a.weight': gradient on ranks [0], none on ranks [1]" in message, (name, message)
         assert "'b.bias': gradient on ranks [1], none on ranks [0]" in message, (name, message)
+        # Rank 0 uses every parameter and does not wait for the others' flags; rank 1, missing
+        # some, learns that rank 0 had them and raises.
+        both = wrap(Branches(with_unused_layer=False))
+        F.mse_loss(both(x, "ab" if rank == 0 else "a"), y).backward()
+        if rank == 1:
+            with pytest.raises(RuntimeError, match=r"'b.weight': gradient on ranks \[0\], none"):
+                both.finish_gradient_synchronization()
+        else:
+            both.finish_gradient_synchronization()
         # Two backwards in one synchronized step (no no_sync): named, no hang.
         model.zero_grad(set_to_none=True)
         model.on_train_batch_start()

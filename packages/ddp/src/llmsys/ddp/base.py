@@ -9,9 +9,11 @@ average (see ``wrappers.py``); this base class holds the contract they all keep:
   broadcasts every parameter and buffer from rank 0, so all copies start equal;
 - a hook on each trainable parameter records that its gradient arrived (after autograd has
   accumulated it into ``.grad``), which is how the wrappers tell used parameters from unused ones;
-- ``finish_gradient_synchronization()`` asks every rank which parameters got gradients since the
-  last synchronization. Parameters no rank used are skipped (their ``.grad`` stays as it was, as
-  in single-process training); when ranks disagree, the error names the parameters and ranks,
+- every rank reduces every trainable parameter's gradient (zeros where it has none), so the
+  ranks' collectives always match and nothing hangs; then ``finish_gradient_synchronization()``
+  asks which parameters got gradients since the last synchronization. Parameters no rank used
+  keep their ``.grad`` as it was (as in single-process training); when ranks disagree, the
+  error names the parameters and ranks,
   because averaging gradients that exist on some ranks only is almost always a bug in the
   training loop (torch DDP reports the same situation as a hang or "Expected to have finished
   reduction in the prior iteration");
@@ -121,18 +123,35 @@ class DataParallel(nn.Module):
         self._arrived[index] = True
         self._gradient_ready(index)
 
+    def _local_gradients(self) -> list[torch.Tensor]:
+        """Each trainable parameter's gradient, or zeros where it got none since the last
+        synchronization: every rank then reduces the same tensors, used here or not."""
+        return [
+            p.grad if used else torch.zeros_like(p)
+            for p, used in zip(self.params, self._used, strict=True)
+        ]
+
     def _used_everywhere(self) -> list[bool]:
         """Which parameters got a gradient since the last synchronization, on every rank.
 
-        One small all-gather of a flag per parameter. It makes the host wait for the GPU once per
-        step, which costs the overlap of the optimizer's launches with the last bucket's
-        all-reduce (well under a millisecond) and buys an error instead of a hang.
+        Every rank all-gathers one flag per parameter, but only a rank with a parameter that got
+        no gradient waits for the answer: it must learn whether any other rank used it. A rank
+        whose every parameter got one knows the answer already (all used), and the ranks that
+        disagree with it find out and raise. So the usual step, every parameter used, makes
+        the host wait for nothing: in a training loop whose host time is close to its GPU time
+        (an eager model of 2B parameters at batch 4 x 512 on an H200) that wait was measured to
+        cost more than all the communication launches together.
         """
         if not self.params:
             return []
-        flags = torch.tensor(self._used, dtype=torch.uint8, device=self.params[0].device)
-        everyone = [torch.empty_like(flags) for _ in range(self.world_size)]
-        dist.all_gather(everyone, flags, group=self.process_group)
+        device = self.params[0].device
+        flags = torch.tensor(self._used, dtype=torch.uint8)
+        if device.type == "cuda":  # from pinned memory the copy does not wait for the stream
+            flags = flags.pin_memory().to(device, non_blocking=True)
+        everyone = [torch.empty_like(flags, device=device) for _ in range(self.world_size)]
+        dist.all_gather(everyone, flags.to(device), group=self.process_group)
+        if all(self._used):
+            return self._used
         per_rank = torch.stack(everyone).cpu()  # (world_size, parameters)
         counts = per_rank.sum(0).tolist()
         disagreements = [

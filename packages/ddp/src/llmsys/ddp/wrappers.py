@@ -44,11 +44,11 @@ class DDPNaive(DataParallel):
     """
 
     def _synchronize(self) -> None:
-        used = self._used_everywhere()
-        grads = [p.grad for p, is_used in zip(self.params, used, strict=True) if is_used]
-        for grad in grads:
+        local = self._local_gradients()
+        for grad in local:
             dist.all_reduce(grad, group=self.process_group)
-        _divide(grads, self.world_size)
+        used = self._used_everywhere()
+        _divide([g for g, is_used in zip(local, used, strict=True) if is_used], self.world_size)
 
 
 class DDPFlat(DataParallel):
@@ -60,17 +60,21 @@ class DDPFlat(DataParallel):
     """
 
     def _synchronize(self) -> None:
+        local = self._local_gradients()
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for index, grad in enumerate(local):
+            by_dtype.setdefault(grad.dtype, []).append(index)
+        flats = {}
+        for dtype, indices in by_dtype.items():
+            flats[dtype] = torch.cat([local[i].reshape(-1) for i in indices])
+            dist.all_reduce(flats[dtype], group=self.process_group)
         used = self._used_everywhere()
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for param, is_used in zip(self.params, used, strict=True):
-            if is_used:
-                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.process_group)
-            flat.div_(self.world_size)
-            for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                grad.copy_(piece.view_as(grad))
+        for dtype, indices in by_dtype.items():
+            flat = flats[dtype].div_(self.world_size)
+            pieces = flat.split([local[i].numel() for i in indices])
+            for i, piece in zip(indices, pieces, strict=True):
+                if used[i]:
+                    local[i].copy_(piece.view_as(local[i]))
 
 
 class _Bucket:
@@ -123,11 +127,15 @@ class _OverlappedDataParallel(DataParallel):
                 bucket.buffer = torch.empty(
                     sum(bucket.numels), dtype=bucket.wire_dtype, device=device
                 )
+            targets, sources = [], []
             for grad, view in zip(grads, bucket.views(), strict=True):
                 if grad is None:
-                    view.zero_()
+                    view.zero_()  # no gradient here (unused in this step)
                 else:
-                    view.copy_(grad.reshape(-1))
+                    targets.append(view)
+                    sources.append(grad.reshape(-1))
+            if targets:  # one multi-tensor launch instead of one copy per parameter
+                torch._foreach_copy_(targets, sources)
             reduced = bucket.buffer
         bucket.reduced = reduced
         bucket.work = dist.all_reduce(reduced, group=self.process_group, async_op=True)
@@ -139,18 +147,21 @@ class _OverlappedDataParallel(DataParallel):
             self._launch(bucket)
         self._next = len(self.buckets)
         used = self._used_everywhere()
-        in_place = []
+        in_place, grads, means = [], [], []
         for bucket in self.buckets:
             bucket.work.wait()
             if bucket.in_place:
                 if used[bucket.indices[0]]:
                     in_place.append(bucket.reduced)
                 continue
+            bucket.buffer.div_(self.world_size)
             for i, view in zip(bucket.indices, bucket.views(), strict=True):
                 if used[i]:
-                    grad = self.params[i].grad
-                    torch.div(view.view_as(grad), self.world_size, out=grad)
+                    grads.append(self.params[i].grad)
+                    means.append(view.view_as(grads[-1]))
         _divide(in_place, self.world_size)
+        if grads:
+            torch._foreach_copy_(grads, means)  # back in the gradients' dtype
 
     def _reset(self) -> None:
         super()._reset()
