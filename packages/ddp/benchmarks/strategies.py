@@ -10,9 +10,11 @@ built model: our four wrappers (bucketed at several sizes and with bf16 on the w
 hook), and "no communication": each GPU training alone on the same per-GPU batch, the floor any
 strategy can reach.
 
-Per strategy: the median step (the slowest rank's), the exposed communication (step minus the
-no-communication step), the GPU time of NCCL kernels in one profiled step (communication
-overlapped or not) and the peak memory. Rank 0 writes the rows to ``--out``.
+Per strategy: the median step (from a barrier to the slowest rank's end), the exposed
+communication (step minus the no-communication step), the GPU time of NCCL kernels in one
+profiled step (communication overlapped or not), the host time to issue one step without
+waiting for the GPU (an eager model this size at batch 4 is close to host-bound, so host cost
+per collective matters) and the peak memory. Rank 0 writes the rows to ``--out``.
 """
 
 from __future__ import annotations
@@ -124,15 +126,23 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(args.steps):
+        if world_size > 1:
+            dist.barrier()  # every rank starts the step together: less noise between runs
+        training.synchronize(device)
         started = time.perf_counter()
         step()
         training.synchronize(device)
         times.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    step()  # how long the host takes to issue a step: near the step time, the host is the limit
+    host_ms = (time.perf_counter() - started) * 1e3
+    training.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
     comm = nccl_kernel_ms(step, device) if wrap is not None and world_size > 1 else 0.0
     measured = {
         "times_ms": [slowest(t, device) * 1e3 for t in times],
         "nccl_ms": comm,
+        "host_ms": slowest(host_ms, device),
         "peak_gib": peak,
         "buckets": len(getattr(model, "buckets", [])) or None,
     }
@@ -171,6 +181,7 @@ def rows_for(measured: dict[str, dict], args, config, world_size, device) -> lis
             notes.append(f"NCCL kernels {m['nccl_ms']:.1f} ms/step")
         if m["buckets"]:
             notes.append(f"{m['buckets']} buckets")
+        notes.append(f"host {m['host_ms']:.0f} ms/step")
         notes.append(f"MFU vs {peak_source}" if peak else "")
         rows.append(
             results.Row(
