@@ -1,0 +1,56 @@
+"""What this process sees of ``torch.distributed``: its rank, the world size, where collective
+tensors live, and a check that every rank holds the same parameters.
+
+Without an initialized process group a process is rank 0 of a world of 1, and nothing here
+communicates.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """(rank, world size) of the default process group, or (0, 1) when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def collective_device() -> torch.device:
+    """Where a tensor must be for the default group's collectives: this rank's current CUDA
+    device under NCCL, the CPU otherwise (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gathered(value: Any) -> list[Any]:
+    """Every rank's ``value`` (small, picklable), in rank order, on every rank. Checks built on
+    it give all ranks the same answer, so they raise together instead of some ranks hanging in
+    the next collective."""
+    _, world_size = rank_and_world_size()
+    if world_size == 1:
+        return [value]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def check_same_parameters(params: Sequence[torch.Tensor], where: str) -> None:
+    """Raise ``ValueError`` on every rank unless all ranks pass parameters of the same shapes
+    and dtypes in the same order: the plan and the broadcasts assume it, and a mismatch would
+    otherwise hang in a collective or copy the wrong bytes."""
+    layout = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
+    values = all_gathered(zlib.crc32(layout.encode()))
+    if len(set(values)) > 1:
+        raise ValueError(
+            f"{where}: every rank must pass the same parameters (shapes and dtypes, in the same "
+            f"order), got different ones (a checksum per rank: {values}; this rank has "
+            f"{len(params)} parameters)"
+        )
