@@ -84,6 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="every rank on cuda:0, talking over gloo: the memory of N ranks on a host with one "
+        "GPU (its step times then measure gloo through host memory, not NCCL)",
+    )
     return parser.parse_args(argv)
 
 
@@ -356,7 +362,8 @@ def build_rows(measured: dict, predicted: dict, args, device) -> tuple[list, lis
     """(CSV rows, target lines). ``measured[variant][rank]`` is what :func:`measure` returned."""
     world_size = len(next(iter(measured.values())))
     common = {
-        "mode": "train",
+        # One GPU shared over gloo: memory per rank is real, step times are gloo's.
+        "mode": f"train, {world_size} ranks on one GPU over gloo" if args.one_gpu else "train",
         "x": f"{args.size} ctx={args.context_length} batch={args.batch_size}/rank x{world_size}",
         "dtype": args.dtype,
         "gpu": results.device_name(device),
@@ -436,8 +443,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     on_cuda = torch.cuda.is_available()
     if on_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if on_cuda else "gloo")
+        torch.cuda.set_device(0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if on_cuda and not args.one_gpu else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     try:
