@@ -86,24 +86,23 @@ def run_ranks(
 def _wait(procs: list, timeout: float) -> list[str]:
     """Wait for every rank; once one fails, give the others a few seconds, then kill them."""
     deadline = time.monotonic() + timeout
-    problems: list[str] = []
+    after_failure = False
     while any(p.poll() is None for p, _ in procs):
-        failed = [r for r, (p, _) in enumerate(procs) if p.returncode not in (None, 0)]
-        if failed and not problems:
-            problems.append(f"rank(s) {failed} failed")
-            deadline = min(deadline, time.monotonic() + 10.0)  # peers may be stuck waiting
+        if not after_failure and any(p.returncode not in (None, 0) for p, _ in procs):
+            after_failure = True  # peers may be stuck in a collective waiting for it
+            deadline = min(deadline, time.monotonic() + 10.0)
         if time.monotonic() > deadline:
-            stuck = [r for r, (p, _) in enumerate(procs) if p.poll() is None]
-            problems.append(f"rank(s) {stuck} still running after the timeout; killed")
-            for p, _ in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
             break
         time.sleep(0.05)
-    failed = [r for r, (p, _) in enumerate(procs) if p.returncode not in (0, None, -9)]
-    if failed and not problems:
-        problems.append(f"rank(s) {failed} failed")
+    stuck = [rank for rank, (p, _) in enumerate(procs) if p.poll() is None]
+    for rank in stuck:
+        procs[rank][0].kill()
+        procs[rank][0].wait()
+    failed = [rank for rank, (p, _) in enumerate(procs) if p.returncode != 0 and rank not in stuck]
+    problems = [f"rank(s) {failed} failed"] if failed else []
+    if stuck:
+        why = "10 s after a peer failed" if after_failure else f"after the {timeout:g} s timeout"
+        problems.append(f"rank(s) {stuck} still running {why}; killed")
     return problems
 
 

@@ -40,7 +40,7 @@ def test_a_failing_rank_fails_the_run_with_its_traceback_and_does_not_hang():
 
 
 def test_a_run_past_the_timeout_is_killed_and_fails():
-    with pytest.raises(RankFailure, match=r"still running after the timeout; killed"):
+    with pytest.raises(RankFailure, match=r"still running after the 8 s timeout; killed"):
         run_ranks(sleeps, world_size=2, timeout=8)
 
 
