@@ -87,8 +87,8 @@ def _wait(procs: list, timeout: float) -> list[str]:
     """Wait for every rank; once one fails, give the others a few seconds, then kill them."""
     deadline = time.monotonic() + timeout
     after_failure = False
-    while any(p.poll() is None for p, _ in procs):
-        if not after_failure and any(p.returncode not in (None, 0) for p, _ in procs):
+    while None in (codes := [p.poll() for p, _ in procs]):  # every rank polled each pass
+        if not after_failure and any(code not in (None, 0) for code in codes):
             after_failure = True  # peers may be stuck in a collective waiting for it
             deadline = min(deadline, time.monotonic() + 10.0)
         if time.monotonic() > deadline:

@@ -255,15 +255,32 @@ def check_misuse_is_named(rank: int, world_size: int) -> None:
         message = str(error.value)
         assert "'a.weight': gradient on ranks [0], none on ranks [1]" in message, (name, message)
         assert "'b.bias': gradient on ranks [1], none on ranks [0]" in message, (name, message)
-        # Rank 0 uses every parameter and does not wait for the others' flags; rank 1, missing
-        # some, learns that rank 0 had them and raises.
+        # Rank 0 uses every parameter and does not wait for the others' flags: it raises at
+        # its next call. Rank 1, missing some, learns at once that rank 0 had them.
         both = wrap(Branches(with_unused_layer=False))
         F.mse_loss(both(x, "ab" if rank == 0 else "a"), y).backward()
+        disagreement = r"'b.weight': gradient on ranks \[0\], none on ranks \[1\]"
         if rank == 1:
-            with pytest.raises(RuntimeError, match=r"'b.weight': gradient on ranks \[0\], none"):
+            with pytest.raises(RuntimeError, match=disagreement):
                 both.finish_gradient_synchronization()
         else:
             both.finish_gradient_synchronization()
+            with pytest.raises(RuntimeError, match=disagreement):
+                both.on_train_batch_start()
+        # Wrapping a wrapped module again would reduce every gradient twice.
+        with pytest.raises(ValueError, match=r"already wrapped by a .*remove_hooks"):
+            wrap(both.module)
+        both.remove_hooks()
+        again = wrap(both.module)
+        # A layer unfrozen after wrapping has no hook: named instead of silently not averaged.
+        frozen = Branches(with_unused_layer=False)
+        frozen.b.requires_grad_(False)
+        late = wrap(frozen)
+        frozen.b.requires_grad_(True)
+        F.mse_loss(late(x, "ab"), y).backward()
+        with pytest.raises(RuntimeError, match=r"\['b.weight', 'b.bias'\] have gradients but"):
+            late.finish_gradient_synchronization()
+        again.remove_hooks()
         # Two backwards in one synchronized step (no no_sync): named, no hang.
         model.zero_grad(set_to_none=True)
         model.on_train_batch_start()
@@ -303,7 +320,8 @@ def check_bf16_wire(rank: int, world_size: int) -> None:
     ):
         assert torch.allclose(a, b, rtol=2e-2, atol=2e-3), name
         assert b.dtype == torch.float32, name
-    # The mean is written back in the gradients' dtype.
+    # bf16 on the wire, the mean written back in the gradients' dtype.
+    assert {b.buffer.dtype for b in compressed.buckets} == {torch.bfloat16}
     assert all(p.grad.dtype == torch.float32 for p in compressed.params)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -32,6 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .process_group import global_rank, rank_and_world_size
+
+# The wrapper whose hooks are on each module now: a second wrapper on the same module would add
+# its own hooks, and both would reduce every gradient.
+_WRAPPED: weakref.WeakKeyDictionary[nn.Module, DataParallel] = weakref.WeakKeyDictionary()
 
 
 class DataParallel(nn.Module):
@@ -47,6 +52,18 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if module in _WRAPPED:
+            raise ValueError(
+                f"module is already wrapped by a {type(_WRAPPED[module]).__name__}, whose hooks "
+                "would reduce every gradient a second time; call remove_hooks() on that wrapper "
+                "first"
+            )
+        devices = {p.device for p in module.parameters()}
+        if len(devices) > 1:
+            raise ValueError(
+                "module must have all its parameters on one device, got "
+                f"{sorted(map(str, devices))}"
+            )
         self.module = module
         self.process_group = process_group
         self.rank, self.world_size = rank_and_world_size(process_group)
@@ -59,13 +76,24 @@ class DataParallel(nn.Module):
         self._used = [False] * len(self.params)  # got a gradient since the last synchronization
         self._arrived = [False] * len(self.params)  # ... in this synchronized backward
         self._syncing = True
+        self._unchecked: tuple | None = None  # the last step's flags, when not checked then
+        self._hooks = []
         if self.world_size > 1:
             _check_same_model(module, process_group, self.world_size)
             _broadcast_from_first_rank(module, process_group)
-            for index, param in enumerate(self.params):
-                param.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_gradient, index)
-                )
+            self._hooks = [
+                param.register_post_accumulate_grad_hook(functools.partial(self._on_gradient, i))
+                for i, param in enumerate(self.params)
+            ]
+            _WRAPPED[module] = self
+
+    def remove_hooks(self) -> None:
+        """Detach this wrapper from the module (to wrap it again, say, with another strategy)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if _WRAPPED.get(self.module) is self:
+            del _WRAPPED[self.module]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -74,18 +102,23 @@ class DataParallel(nn.Module):
         """Wait until every gradient holds its mean over the ranks.
 
         Call it after ``backward()`` and before ``optimizer.step()``. Inside ``no_sync()`` it
-        does nothing. On error (ranks disagreeing about which parameters got gradients) the
-        gradients are left undefined and the message names the parameters.
+        does nothing. Ranks disagreeing about which parameters got gradients is an error that
+        names the parameters (raised in this call on a rank that lacked one, in the next call
+        or ``on_train_batch_start()`` on the others); after it the replicas differ and training
+        cannot go on.
         """
         if self.world_size == 1 or not self._syncing:
             return
+        self._check_unchecked()
+        self._check_all_parameters_known()
         try:
             self._synchronize()
         finally:
             self._reset()
 
     def on_train_batch_start(self) -> None:
-        """Optional: forget this step's bookkeeping (for example after a step that raised)."""
+        """Optional: check the last step's agreement and forget this step's bookkeeping."""
+        self._check_unchecked()
         self._reset()
 
     @contextlib.contextmanager
@@ -116,9 +149,10 @@ class DataParallel(nn.Module):
         if self._arrived[index]:
             raise RuntimeError(
                 f"{type(self).__name__}: parameter {self.param_names[index]!r} received a second "
-                "gradient before finish_gradient_synchronization(). Run every backward but the "
-                "last of a step under no_sync(), and use non-reentrant activation checkpointing "
-                "(use_reentrant=False) for a parameter used in several checkpointed segments."
+                "gradient before finish_gradient_synchronization(). Call it after every "
+                "synchronized backward, run every backward but the last of a step under "
+                "no_sync(), and use non-reentrant activation checkpointing (use_reentrant=False) "
+                "for a parameter used in several checkpointed segments."
             )
         self._arrived[index] = True
         self._gradient_ready(index)
@@ -135,12 +169,12 @@ class DataParallel(nn.Module):
         """Which parameters got a gradient since the last synchronization, on every rank.
 
         Every rank all-gathers one flag per parameter, but only a rank with a parameter that got
-        no gradient waits for the answer: it must learn whether any other rank used it. A rank
-        whose every parameter got one knows the answer already (all used), and the ranks that
-        disagree with it find out and raise. So the usual step, every parameter used, makes
-        the host wait for nothing: in a training loop whose host time is close to its GPU time
-        (an eager model of 2B parameters at batch 4 x 512 on an H200) that wait was measured to
-        cost more than all the communication launches together.
+        no gradient waits for the answer now: it must learn whether any other rank used it. A
+        rank whose every parameter got one knows the answer (all used) and checks the gathered
+        flags at its next call, when they arrived long ago. So the usual step, every parameter
+        used, makes the host wait for nothing: in a training loop whose host time is close to
+        its GPU time (an eager model of 2B parameters at batch 4 x 512 on an H200) that wait was
+        measured to cost more than all the communication launches together.
         """
         if not self.params:
             return []
@@ -149,10 +183,29 @@ class DataParallel(nn.Module):
         if device.type == "cuda":  # from pinned memory the copy does not wait for the stream
             flags = flags.pin_memory().to(device, non_blocking=True)
         everyone = [torch.empty_like(flags, device=device) for _ in range(self.world_size)]
-        dist.all_gather(everyone, flags.to(device), group=self.process_group)
+        dist.all_gather(everyone, flags, group=self.process_group)
+        per_rank = torch.stack(everyone)  # (world_size, parameters)
         if all(self._used):
+            arrived = None
+            if device.type == "cuda":  # to host memory without waiting; checked next call
+                host = torch.empty(per_rank.shape, dtype=per_rank.dtype, pin_memory=True)
+                per_rank = host.copy_(per_rank, non_blocking=True)
+                arrived = torch.cuda.Event()
+                arrived.record()
+            self._unchecked = (per_rank, arrived)
             return self._used
-        per_rank = torch.stack(everyone).cpu()  # (world_size, parameters)
+        return self._agreed(per_rank.cpu())
+
+    def _check_unchecked(self) -> None:
+        if self._unchecked is not None:
+            per_rank, arrived = self._unchecked
+            self._unchecked = None
+            if arrived is not None:
+                arrived.synchronize()
+            self._agreed(per_rank)
+
+    def _agreed(self, per_rank: torch.Tensor) -> list[bool]:
+        """Which parameters any rank used, from every rank's flags; raises if ranks disagree."""
         counts = per_rank.sum(0).tolist()
         disagreements = [
             f"  {self.param_names[i]!r}: gradient on ranks "
@@ -167,9 +220,25 @@ class DataParallel(nn.Module):
                 "gradients since the last synchronization, so their mean is not defined:\n"
                 + "\n".join(disagreements)
                 + "\nEvery rank must use the same parameters in a step (check data-dependent "
-                "branches and which losses are summed)."
+                "branches and which losses are summed). The replicas now differ: restart from "
+                "a checkpoint."
             )
         return [count > 0 for count in counts]
+
+    def _check_all_parameters_known(self) -> None:
+        """A parameter unfrozen after construction has no hook and would never be averaged."""
+        known = {id(p) for p in self.params}
+        unknown = [
+            name
+            for name, p in self.module.named_parameters()
+            if p.requires_grad and p.grad is not None and id(p) not in known
+        ]
+        if unknown:
+            raise RuntimeError(
+                f"{type(self).__name__}: parameters {unknown} have gradients but did not require "
+                "them when the wrapper was built, so they would not be averaged; wrap the module "
+                "after unfreezing (remove_hooks() on this wrapper, then a new one)"
+            )
 
 
 def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None, world_size: int) -> None:

@@ -31,7 +31,8 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1
     if backend is None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # Launchers that do not set LOCAL_WORLD_SIZE: assume every rank could be on this host.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
         backend = "nccl" if enough_gpus else "gloo"
     if backend == "nccl":

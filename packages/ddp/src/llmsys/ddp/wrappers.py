@@ -116,9 +116,11 @@ class _OverlappedDataParallel(DataParallel):
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [self.params[i].grad for i in bucket.indices]
+        # None where a parameter got no gradient since the last synchronization (an old .grad
+        # left from before must not be reduced).
+        grads = [self.params[i].grad if self._used[i] else None for i in bucket.indices]
         if bucket.in_place:
-            # No gradient here (unused in this step): zeros keep the ranks' collectives matched.
+            # No gradient here: zeros keep the ranks' collectives matched.
             param = self.params[bucket.indices[0]]
             reduced = grads[0] if grads[0] is not None else torch.zeros_like(param)
         else:
@@ -147,21 +149,20 @@ class _OverlappedDataParallel(DataParallel):
             self._launch(bucket)
         self._next = len(self.buckets)
         used = self._used_everywhere()
-        in_place, grads, means = [], [], []
+        in_place, grads, sums = [], [], []
         for bucket in self.buckets:
             bucket.work.wait()
             if bucket.in_place:
                 if used[bucket.indices[0]]:
                     in_place.append(bucket.reduced)
                 continue
-            bucket.buffer.div_(self.world_size)
             for i, view in zip(bucket.indices, bucket.views(), strict=True):
                 if used[i]:
                     grads.append(self.params[i].grad)
-                    means.append(view.view_as(grads[-1]))
-        _divide(in_place, self.world_size)
+                    sums.append(view.view_as(grads[-1]))
         if grads:
-            torch._foreach_copy_(grads, means)  # back in the gradients' dtype
+            torch._foreach_copy_(grads, sums)  # back in the gradients' dtype, then divided there
+        _divide(in_place + grads, self.world_size)
 
     def _reset(self) -> None:
         super()._reset()
