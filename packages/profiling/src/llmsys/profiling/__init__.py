@@ -1,12 +1,15 @@
 """A Transformer LM with switchable llmsys kernels, and the benchmarks that run it."""
 
 from .config import SIZES, ModelConfig
+from .hardware import HARDWARE, HardwareSpec
 from .model import TransformerLM, num_parameters, use_int8_linears
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "HARDWARE",
     "SIZES",
+    "HardwareSpec",
     "ModelConfig",
     "TransformerLM",
     "__version__",

@@ -12,15 +12,13 @@ from __future__ import annotations
 import torch
 
 from .config import ModelConfig
+from .hardware import HARDWARE
 
-# Dense peaks in TFLOP/s from the vendors' datasheets (without sparsity), by a pattern of
-# ``torch.cuda.get_device_name()``: NVIDIA's H100 (SXM5, PCIe, NVL), H200 and A100 datasheets.
+# Dense peaks in TFLOP/s by a pattern of ``torch.cuda.get_device_name()``, the more specific
+# names first; one source of truth: the datasheet figures in ``hardware.HARDWARE``.
 PEAK_TFLOPS = {
-    "H100 PCIe": {"bf16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    "H100 NVL": {"bf16": 835.0, "tf32": 417.5, "fp32": 60.0},
-    "H100": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM5 (e.g. "H100 80GB HBM3")
-    "H200": {"bf16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "A100": {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    name: {precision: flops / 1e12 for precision, flops in spec.matmul_flops.items()}
+    for name, spec in HARDWARE.items()
 }
 MODES = ("forward", "forward-backward", "train-step")
 PRECISIONS = ("bf16", "tf32", "fp32")

@@ -1,0 +1,105 @@
+"""``llmsys-roofline``: every subcommand in-process, and ``check`` on the committed CSVs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmsys.profiling import roofline_check
+from llmsys.profiling.roofline_cli import main
+
+PACKAGES = Path(__file__).resolve().parents[2]
+DDP_CSV = PACKAGES / "ddp" / "benchmarks" / "results" / "h200.csv"
+PROFILING_CSV = PACKAGES / "profiling" / "benchmarks" / "results" / "h100.csv"
+TOY = ["--bandwidth-tbs", "2.4", "--tflops", "800", "--min-kernel-us", "10"]
+
+
+def run(argv, capsys) -> str:
+    assert main(argv) == 0
+    return capsys.readouterr().out
+
+
+def test_help_lists_the_questions(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("hardware", "matmul", "linear", "elementwise", "attention", "h2d",
+                 "collective", "memory", "min-devices", "hiding", "check"):  # fmt: skip
+        assert name in out
+    with pytest.raises(SystemExit):
+        main(["linear", "--help"])
+    assert "--tokens" in capsys.readouterr().out
+
+
+def test_worked_examples(capsys):
+    out = run(["linear", "--tokens", "512", "--in", "4096", "--out", "8192", "512", "512", *TOY],
+              capsys)  # fmt: skip
+    assert "total: 62.95 us" in out and "launch" in out
+    out = run(["linear", "--tokens", "512", "--in", "4096", "--out", "9216", *TOY], capsys)
+    assert "| 48.32 | compute |" in out
+    out = run(["elementwise", "--shape", "64", "8192", "8192", *TOY], capsys)
+    assert "| 7158 | memory |" in out
+    out = run(["elementwise", "--shape", "1000", "--inputs", "2", "--dtype", "fp32", *TOY], capsys)
+    assert "| 1.2e+04 | 0.08333 |" in out
+
+
+def test_other_subcommands(capsys):
+    out = run(["hardware"], capsys)
+    assert "| H100 | 3.35 | 989.4 |" in out and "datasheet" in out and "| B200 |" in out
+    out = run(["matmul", "-m", "4096", "-n", "4096", "-k", "4096", "--gpu", "H200"], capsys)
+    assert "| 138.9 | compute |" in out  # 2 * 4096**3 / 989.4e12 s
+    out = run(["attention", "--heads", "32", "--q-len", "1", "--kv-len", "4096"], capsys)
+    assert "decode" in out and "memory" in out
+    assert "host-to-device" in run(["h2d", "--mb", "100"], capsys)
+    out = run(["collective", "all-reduce", "--mb", "100", "--nodes", "2"], capsys)
+    assert "| ring | 16 | 2 x 8 hierarchical |" in out and "| tree |" in out
+    out = run(["memory", "--ffn", "16384", "53248", "126", "--policy", "fp32-adamw",
+               "--devices", "1", "38"], capsys)  # fmt: skip
+    assert "| 1 | 879.4 GB | 879.4 GB | 0 B | 1.759 TB | 3.518 TB |" in out
+    assert "| 38 |" in out and "92.57 GB" in out
+    out = run(["min-devices", "--ffn", "16384", "53248", "126", "--policy", "fp32-adamw",
+               "--budget-gb", "95"], capsys)  # fmt: skip
+    assert ": 38 devices, 92.57 GB per device" in out
+    out = run(["min-devices", "--size", "small", "--strategy", "ddp", "--budget-gb", "0.1"],
+              capsys)  # fmt: skip
+    assert "no device count fits" in out
+    assert "hides from" in run(["hiding", "--size", "xl"], capsys)
+
+
+def test_bad_values_are_clear_errors(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["linear", "--tokens", "1", "--in", "1", "--out", "1", "--bandwidth-tbs", "-1",
+              "--tflops", "1"])  # fmt: skip
+    assert exit_.value.code == 2
+    assert "memory_bandwidth" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["matmul", "-m", "0", "-n", "1", "-k", "1"])
+    assert "must be a positive int" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["hardware", "--tflops", "100"])
+    assert "--bandwidth-tbs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["hardware", "--gpu", "RTX 4090"])
+    assert "RTX 4090" in capsys.readouterr().err
+
+
+def test_check_all_reduce_rows():
+    checks = roofline_check.check(DDP_CSV)
+    nccl = [c for c in checks if c.kernel == "all_reduce" and c.provider == "nccl"]
+    gloo = [c for c in checks if c.kernel == "all_reduce" and c.provider == "gloo"]
+    assert len(nccl) == 4 and len(gloo) == 9
+    big = next(c for c in nccl if c.x == "1000 MB")
+    assert big.predicted_ms == pytest.approx(2 * 5e-3 + 1e9 / 450e9 * 1e3)
+    assert not big.flagged  # large NCCL all-reduces come within 2x of NVLink's rate
+    assert all(c.flagged for c in gloo)  # gloo is CPU- and TCP-bound (see the README)
+
+
+def test_check_end_to_end_rows(capsys):
+    checks = [c for c in roofline_check.check(PROFILING_CSV) if c.kernel == "transformer_lm"]
+    assert len(checks) == 9
+    for c in checks:  # the ratio is 1 / MFU (of the p50, where the CSV's MFU uses the mean)
+        assert 1 < c.ratio < 50
+    out = run(["check", str(DDP_CSV), str(PROFILING_CSV)], capsys)
+    assert "measured/predicted" in out and ">2x off" in out and "h100.csv" in out
