@@ -22,6 +22,7 @@ from pathlib import Path
 from . import harness  # first: it puts the profiling package's source on sys.path
 
 # isort: off
+from llmsys.profiling import roofline_check
 from llmsys.profiling.report import table_section
 
 # isort: on
@@ -40,12 +41,21 @@ def load_sweep(package_path: Path):
 
 
 def section_body(sweep, rows: list[harness.Row], csv_name: str) -> str:
-    """The tables of one package's section, as its sweep chooses to show its rows."""
+    """The tables of one package's section, as its sweep chooses to show its rows, then the
+    roofline's prediction against them (rows measured on a GPU the model knows)."""
     if hasattr(sweep, "report_markdown"):
-        return sweep.report_markdown(rows)
-    # A selection that keeps nothing (a CPU run's tiny cases) shows every row.
-    shown = (sweep.report_rows(rows) if hasattr(sweep, "report_rows") else rows) or rows
-    return table_section(rows, shown, csv_name)
+        body = sweep.report_markdown(rows)
+    else:
+        # A selection that keeps nothing (a CPU run's tiny cases) shows every row.
+        shown = (sweep.report_rows(rows) if hasattr(sweep, "report_rows") else rows) or rows
+        body = table_section(rows, shown, csv_name)
+    checks = roofline_check.check_rows(rows)
+    if checks:
+        body += (
+            "\n\n#### Measured against the roofline's prediction (`llmsys-roofline check`)\n\n"
+            + roofline_check.summary_markdown(checks)
+        )
+    return body
 
 
 def committed_gpu_sections(swept: list, out: Path) -> list[str]:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from llmsys.profiling import roofline_check
+from llmsys.profiling import hardware, results, roofline_check
 from llmsys.profiling.roofline_cli import main
 
 PACKAGES = Path(__file__).resolve().parents[2]
 DDP_CSV = PACKAGES / "ddp" / "benchmarks" / "results" / "h200.csv"
 PROFILING_CSV = PACKAGES / "profiling" / "benchmarks" / "results" / "h100.csv"
+KERNEL_CSV = PACKAGES / "kernels-swiglu" / "benchmarks" / "results" / "h100.csv"
 TOY = ["--bandwidth-tbs", "2.4", "--tflops", "800", "--min-kernel-us", "10"]
 
 
@@ -103,3 +105,42 @@ def test_check_end_to_end_rows(capsys):
         assert 1 < c.ratio < 50
     out = run(["check", str(DDP_CSV), str(PROFILING_CSV)], capsys)
     assert "measured/predicted" in out and ">2x off" in out and "h100.csv" in out
+
+
+def _kernel_row(unit: str, dtype: str, throughput: float, p50_ms: float) -> results.Row:
+    return results.Row(kernel="k", provider="p", mode="fwd", x="n", dtype=dtype, p20=p50_ms,
+                       p50=p50_ms, p80=p50_ms, throughput=throughput, throughput_unit=unit,
+                       gpu="NVIDIA H100 80GB HBM3")  # fmt: skip
+
+
+def test_kernel_rows_at_the_datasheet_roofline():
+    h100 = hardware.lookup("h100")
+    # 1.675 TB/s for 2 ms: 3.35e9 bytes, which the H100's 3.35 TB/s moves in 1 ms.
+    (memory,) = roofline_check.check_rows([_kernel_row("TB/s", "bfloat16", 1.675, 2.0)])
+    assert memory.predicted_ms == pytest.approx(1.0) and memory.ratio == pytest.approx(2.0)
+    # 494.7 TFLOP/s in bf16 for 1 ms: half the bf16 peak, predicted 0.5 ms.
+    (bf16,) = roofline_check.check_rows([_kernel_row("TFLOP/s", "bf16", 494.7, 1.0)])
+    assert bf16.predicted_ms == pytest.approx(0.5)
+    # float32 at the TF32 peak; int8 at the int8 peak.
+    (fp32,) = roofline_check.check_rows([_kernel_row("TFLOP/s", "float32", 494.7, 1.0)])
+    (int8,) = roofline_check.check_rows([_kernel_row("TOP/s", "int8", 1979.0, 1.0)])
+    assert fp32.predicted_ms == pytest.approx(1.0) and int8.predicted_ms == pytest.approx(1.0)
+    # Never under the minimum kernel time.
+    (tiny,) = roofline_check.check_rows([_kernel_row("TB/s", "float32", 1.0, 0.001)])
+    assert tiny.predicted_ms == pytest.approx(h100.min_kernel_time * 1e3)
+    assert "minimum kernel time" in tiny.model
+
+
+def test_rows_it_cannot_model_are_skipped():
+    unknown_gpu = dataclasses.replace(_kernel_row("TB/s", "bf16", 1.0, 1.0), gpu="cpu")
+    other_unit = _kernel_row("tokens/s", "bf16", 1.0, 1.0)
+    unknown_dtype = _kernel_row("TFLOP/s", "float64", 1.0, 1.0)
+    assert roofline_check.check_rows([unknown_gpu, other_unit, unknown_dtype]) == []
+
+
+def test_summary_has_a_line_per_kernel_mode_and_provider():
+    checks = roofline_check.check(KERNEL_CSV)
+    summary = roofline_check.summary_markdown(checks)
+    groups = {(c.kernel, c.mode, c.provider) for c in checks}
+    assert len(summary.splitlines()) == 2 + len(groups)
+    assert "| swiglu | fwd | ours |" in summary

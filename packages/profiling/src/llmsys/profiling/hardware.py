@@ -26,7 +26,7 @@ TB = 1e12
 TFLOPS = 1e12
 US = 1e-6
 
-PRECISIONS = ("bf16", "tf32", "fp32")
+PRECISIONS = ("bf16", "tf32", "fp32", "int8")  # int8: tera-operations per second
 
 # Typical, not from a datasheet (see the module docstring).
 DEFAULT_MIN_KERNEL_TIME = 4 * US
@@ -176,7 +176,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="H100 PCIe",
             memory_bandwidth=2.0 * TB,
-            matmul_flops={"bf16": 756.0 * TFLOPS, "tf32": 378.0 * TFLOPS, "fp32": 51.2 * TFLOPS},
+            matmul_flops={
+                "bf16": 756.0 * TFLOPS,
+                "tf32": 378.0 * TFLOPS,
+                "fp32": 51.2 * TFLOPS,
+                "int8": 1513.0 * TFLOPS,
+            },
             memory_capacity=80 * GB,
             sm_count=114,
             l2_bytes=50e6,
@@ -187,7 +192,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="H100 NVL",
             memory_bandwidth=3.9 * TB,
-            matmul_flops={"bf16": 835.0 * TFLOPS, "tf32": 417.5 * TFLOPS, "fp32": 60.0 * TFLOPS},
+            matmul_flops={
+                "bf16": 835.0 * TFLOPS,
+                "tf32": 417.5 * TFLOPS,
+                "fp32": 60.0 * TFLOPS,
+                "int8": 1670.0 * TFLOPS,
+            },
             memory_capacity=94 * GB,
             nvlink_bandwidth=600 * GB / 2,
             source="NVIDIA H100 Tensor Core GPU datasheet (H100 NVL column)",
@@ -195,7 +205,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="H100",  # SXM5, e.g. "NVIDIA H100 80GB HBM3"
             memory_bandwidth=3.35 * TB,
-            matmul_flops={"bf16": 989.4 * TFLOPS, "tf32": 494.7 * TFLOPS, "fp32": 66.9 * TFLOPS},
+            matmul_flops={
+                "bf16": 989.4 * TFLOPS,
+                "tf32": 494.7 * TFLOPS,
+                "fp32": 66.9 * TFLOPS,
+                "int8": 1979.0 * TFLOPS,
+            },
             memory_capacity=80 * GB,
             sm_count=132,
             l2_bytes=50e6,
@@ -206,7 +221,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="H200",  # SXM
             memory_bandwidth=4.8 * TB,
-            matmul_flops={"bf16": 989.4 * TFLOPS, "tf32": 494.7 * TFLOPS, "fp32": 66.9 * TFLOPS},
+            matmul_flops={
+                "bf16": 989.4 * TFLOPS,
+                "tf32": 494.7 * TFLOPS,
+                "fp32": 66.9 * TFLOPS,
+                "int8": 1979.0 * TFLOPS,
+            },
             memory_capacity=141 * GB,
             sm_count=132,
             l2_bytes=50e6,
@@ -225,7 +245,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="A100",  # SXM4 80GB
             memory_bandwidth=2.039 * TB,
-            matmul_flops={"bf16": 312.0 * TFLOPS, "tf32": 156.0 * TFLOPS, "fp32": 19.5 * TFLOPS},
+            matmul_flops={
+                "bf16": 312.0 * TFLOPS,
+                "tf32": 156.0 * TFLOPS,
+                "fp32": 19.5 * TFLOPS,
+                "int8": 624.0 * TFLOPS,
+            },
             memory_capacity=80 * GB,
             sm_count=108,
             l2_bytes=40e6,
@@ -240,7 +265,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         HardwareSpec(
             name="A10",
             memory_bandwidth=600 * GB,
-            matmul_flops={"bf16": 125.0 * TFLOPS, "tf32": 62.5 * TFLOPS, "fp32": 31.2 * TFLOPS},
+            matmul_flops={
+                "bf16": 125.0 * TFLOPS,
+                "tf32": 62.5 * TFLOPS,
+                "fp32": 31.2 * TFLOPS,
+                "int8": 250.0 * TFLOPS,
+            },
             memory_capacity=24 * GB,
             sm_count=72,
             l2_bytes=6e6,

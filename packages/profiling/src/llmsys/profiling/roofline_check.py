@@ -11,6 +11,11 @@ Rows it models (others are skipped):
   and ``transformer_lm/data_parallel`` (x "medium ctx=1024 batch=4" or "xl ctx512
   b4/rank"): matmul FLOPs (``accounting``) at the GPU's datasheet peak, i.e. 100% MFU, with
   data-parallel communication assumed hidden; the ratio is then the MFU.
+- every kernel package's rows (throughput in TB/s, TFLOP/s or TOP/s): the row's own bytes or
+  operations (its throughput times its time, as its benchmark counted them) at the GPU's
+  datasheet bandwidth or tensor-core peak for its dtype (float32 at the TF32 peak, the ceiling
+  of a tensor-core kernel), and never under the minimum kernel time. The ratio is then one over
+  the fraction of the datasheet roofline the kernel reached.
 """
 
 from __future__ import annotations
@@ -59,7 +64,36 @@ def predict(row: results.Row) -> tuple[float, str] | None:
         return _predict_model(row, data_parallel=False)
     if row.kernel == "transformer_lm/data_parallel":
         return _predict_model(row, data_parallel=True)
+    if row.throughput_unit in KERNEL_UNITS and row.throughput and row.p50:
+        return _predict_kernel(row)
     return None
+
+
+KERNEL_UNITS = ("TB/s", "TFLOP/s", "TOP/s")
+# the tensor-core peak each dtype's matmuls can reach (float32: TF32, what Triton's dots use)
+PRECISION_OF = {"bfloat16": "bf16", "bf16": "bf16", "float16": "bf16", "fp16": "bf16",
+                "float32": "tf32", "fp32": "tf32", "int8": "int8"}  # fmt: skip
+
+
+def _predict_kernel(row: results.Row) -> tuple[float, str] | None:
+    spec = hardware.find(row.gpu)
+    if spec is None:
+        return None
+    work = row.throughput * 1e12 * row.p50 / 1e3  # bytes, FLOPs or operations the row counted
+    if row.throughput_unit == "TB/s":
+        seconds = work / spec.memory_bandwidth
+        how = f"bytes at {spec.memory_bandwidth / 1e12:g} TB/s"
+    else:
+        precision = PRECISION_OF.get(row.dtype)
+        if precision is None or precision not in spec.matmul_flops:
+            return None
+        peak = spec.peak(precision)
+        seconds = work / peak
+        how = f"{row.throughput_unit[1:]} at {precision} {peak / 1e12:g} T/s"
+    if spec.min_kernel_time > seconds:
+        seconds = spec.min_kernel_time
+        how = f"minimum kernel time {spec.min_kernel_time * 1e6:g} us"
+    return seconds * 1e3, f"{spec.name} {how}"
 
 
 def _predict_all_reduce(row: results.Row) -> tuple[float, str] | None:
@@ -99,8 +133,13 @@ def _predict_model(row: results.Row, data_parallel: bool) -> tuple[float, str] |
 
 def check(path: str | Path) -> list[Check]:
     """Every row of the results CSV at ``path`` that :func:`predict` models."""
+    return check_rows(results.read_rows(path))
+
+
+def check_rows(rows: list[results.Row]) -> list[Check]:
+    """Every row that :func:`predict` models, with its prediction."""
     checks = []
-    for row in results.read_rows(path):
+    for row in rows:
         prediction = predict(row)
         if prediction is None or row.p50 is None or math.isnan(row.p50):
             continue
@@ -121,5 +160,27 @@ def markdown(checks: list[Check]) -> str:
         lines.append(
             f"| {c.kernel} | {c.provider} | {c.mode} | {c.x} | {c.predicted_ms:.4g} | "
             f"{c.measured_ms:.4g} | {c.ratio:.2f} | {flag} | {c.model} |"
+        )
+    return "\n".join(lines)
+
+
+def summary_markdown(checks: list[Check]) -> str:
+    """One line per (kernel, mode, provider): how many rows, and the median, smallest and
+    largest measured/predicted ratio (a benchmark with hundreds of rows reads at a glance)."""
+    groups: dict[tuple[str, str, str], list[Check]] = {}
+    for c in checks:
+        groups.setdefault((c.kernel, c.mode, c.provider), []).append(c)
+    lines = [
+        "| kernel | mode | provider | rows | measured/predicted: median | min | max | "
+        f">{FLAG_RATIO:g}x off |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for (kernel, mode, provider), group in groups.items():
+        ratios = sorted(c.ratio for c in group)
+        median = ratios[len(ratios) // 2]
+        flagged = sum(c.flagged for c in group)
+        lines.append(
+            f"| {kernel} | {mode} | {provider} | {len(group)} | {median:.2f} | {ratios[0]:.2f} | "
+            f"{ratios[-1]:.2f} | {flagged} |"
         )
     return "\n".join(lines)
