@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from llmsys.ddp import init_distributed, local_device
-from llmsys.profiling import results
+from llmsys.profiling import results, roofline_check
 
 MB = 10**6  # sizes are decimal megabytes, as nccl-tests and the issue state them
 
@@ -96,9 +96,13 @@ def main(argv: list[str] | None = None) -> None:
         if tensor.min() != tensor.max() or tensor[0] != world_size * (world_size + 1) / 2:
             raise RuntimeError(f"all_reduce of {size_mb} MB returned a wrong sum")
         rows.append(rows_for(size_mb, per_call, world_size, backend, device))
+        predicted = roofline_check.predict(rows[-1])  # the alpha-beta model's ring all-reduce
+        if predicted:
+            rows[-1].config += f"; roofline {predicted[0]:.4g} ms ({predicted[1]})"
         if rank == 0:
+            guess = f", predicted {predicted[0]:.3f} ms" if predicted else ""
             print(f"{backend} {world_size} ranks {size_mb:g} MB: {rows[-1].p50:.3f} ms, "
-                  f"{rows[-1].throughput:.1f} GB/s busbw", flush=True)  # fmt: skip
+                  f"{rows[-1].throughput:.1f} GB/s busbw{guess}", flush=True)  # fmt: skip
         del tensor
     if rank == 0:
         results.write_csv(rows, args.out)
