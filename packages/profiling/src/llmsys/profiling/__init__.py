@@ -4,7 +4,7 @@ from .config import SIZES, ModelConfig
 from .hardware import HARDWARE, HardwareSpec
 from .model import TransformerLM, num_parameters, use_int8_linears
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "HARDWARE",
