@@ -122,6 +122,7 @@ def _rank_main(job_file: str) -> None:
     dist.init_process_group(backend)
     try:
         getattr(module, name)(rank, world_size, **kwargs)
+        dist.barrier()  # nobody tears down while a peer still talks to it (gloo aborted, -6)
     finally:
         dist.destroy_process_group()
 

@@ -259,6 +259,23 @@ def test_checkpoints_across_world_sizes(run_ranks, tmp_path):
     )
 
 
+def check_one_rank_failing_does_not_hang(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 40)
+    optimizer = ShardedOptimizer([*embed.parameters(), *head.parameters()], torch.optim.AdamW)
+    head(embed(torch.tensor([1, 2]))).sum().backward()
+    if rank == optimizer.plan.owners[0]:  # the embedding's owner: Adam refuses sparse gradients
+        with pytest.raises(RuntimeError, match="sparse"):
+            optimizer.step()
+    else:  # the other rank's broadcasts are answered: it returns instead of hanging
+        optimizer.step()
+    assert len(set(optimizer.plan.owners)) == 2  # the failure is on one rank only
+
+
+def test_a_step_failing_on_one_rank_does_not_hang_the_others(run_ranks):
+    run_ranks(check_one_rank_failing_does_not_hang, timeout=60)
+
+
 def check_on_gpus_with_nccl(rank: int, world_size: int) -> None:
     device = torch.device("cuda", rank)
     optimizer_cls, kwargs = OPTIMIZERS["adamw"]

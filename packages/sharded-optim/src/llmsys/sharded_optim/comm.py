@@ -30,6 +30,10 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def world_size_of_group() -> int:
+    return rank_and_world_size()[1]
+
+
 def all_gathered(value: Any) -> list[Any]:
     """Every rank's ``value`` (small, picklable), in rank order, on every rank. Checks built on
     it give all ranks the same answer, so they raise together instead of some ranks hanging in
@@ -45,7 +49,15 @@ def all_gathered(value: Any) -> list[Any]:
 def check_same_parameters(params: Sequence[torch.Tensor], where: str) -> None:
     """Raise ``ValueError`` on every rank unless all ranks pass parameters of the same shapes
     and dtypes in the same order: the plan and the broadcasts assume it, and a mismatch would
-    otherwise hang in a collective or copy the wrong bytes."""
+    otherwise hang in a collective or copy the wrong bytes. Under NCCL every parameter must be
+    on a GPU (its broadcasts cannot carry CPU tensors), checked here before any step."""
+    if world_size_of_group() > 1 and "nccl" in str(dist.get_backend()):
+        on_cpu = [i for i, p in enumerate(params) if not p.is_cuda]
+        if on_cpu:
+            raise ValueError(
+                f"{where}: with the NCCL backend every parameter must be on a CUDA device, got "
+                f"CPU parameters at global indices {on_cpu[:10]}"
+            )
     layout = ";".join(f"{tuple(p.shape)}:{p.dtype}" for p in params)
     values = all_gathered(zlib.crc32(layout.encode()))
     if len(set(values)) > 1:

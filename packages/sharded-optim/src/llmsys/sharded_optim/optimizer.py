@@ -121,11 +121,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         check_same_parameters([*self._all_params(), *group["params"]], f"{NAME}.add_param_group")
         super().add_param_group(group)
         group, all_params = self.param_groups[-1], self._all_params()
-        first = len(self.plan.owners)
-        self.plan = self.plan.extend([p.numel() for p in group["params"]])
-        owners = self.plan.owners[first:]
+        plan = self.plan.extend([p.numel() for p in group["params"]])
+        owners = plan.owners[len(self.plan.owners) :]
         owned = [p for p, owner in zip(group["params"], owners, strict=True) if owner == self.rank]
-        self.local_optimizer.add_param_group(_with_params(group, owned))
+        try:
+            self.local_optimizer.add_param_group(_with_params(group, owned))
+        except Exception:
+            self.param_groups.pop()  # all or nothing: the outer and local groups stay paired
+            raise
+        self.plan = plan
         _fill_missing_options(group, self.local_optimizer.param_groups[-1])
         self._buckets = make_buckets(all_params, self.plan.owners)
         self._consolidated = None
@@ -141,14 +145,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Returns:
             What the local optimizer's ``step`` returns (the closure's loss, or None).
+
+        Raises:
+            Whatever the local step raises (it sees only the owned parameters, so it can fail on
+            some ranks alone, e.g. a sparse gradient with Adam). The failing rank still takes
+            part in the broadcasts first, so no other rank hangs waiting for it; the job must
+            stop, since the failing rank's parameters were not updated.
         """
         self._consolidated = None
         for group, local in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             local.update((key, value) for key, value in group.items() if key != "params")
-        loss = self.local_optimizer.step(closure=closure, **kwargs)
-        if self.world_size > 1:
-            broadcast_from_owners(self._buckets, self.rank)
-        return loss
+        try:
+            return self.local_optimizer.step(closure=closure, **kwargs)
+        finally:
+            if self.world_size > 1:
+                broadcast_from_owners(self._buckets, self.rank)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale all gradients so that their global norm is at most ``max_norm``.
@@ -254,10 +265,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 local_ids.append(k)
                 k += 1
             local_groups.append({**saved, "params": local_ids})
-        self.local_optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+        expected = sum(1 for values in state.values() if values)
+        local_dict = {"state": local_state, "param_groups": local_groups}
+        try:
+            self.local_optimizer.load_state_dict(local_dict)
+        except Exception:
+            all_gathered((expected, -1))  # the others' check fails too, instead of hanging
+            raise
         self.state = self.local_optimizer.state  # load_state_dict replaced the dict
         self._consolidated = None
-        self._check_state_loaded_once(sum(1 for values in state.values() if values))
+        self._check_state_loaded_once(expected)
 
     # ---- helpers ------------------------------------------------------------------------------
 
