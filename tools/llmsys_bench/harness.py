@@ -202,3 +202,24 @@ def plot_vs_baseline(
             ax.grid(alpha=0.3)
         axes[0][col].legend(fontsize=8)
     return save_figure(fig, path, title, dpi=dpi)
+
+
+def torchrun(script: Path, processes: int, arguments: list[str]) -> None:
+    """Run a benchmark ``script`` on ``processes`` torchrun ranks of this host (a free port, every
+    package's source on PYTHONPATH, the environment otherwise unchanged, NCCL_* included);
+    RuntimeError with the ranks' output if it fails."""
+    import os
+    import subprocess
+
+    from llmsys_dev.ranks import free_port
+    from llmsys_dev.workspace import source_paths
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([*source_paths(), env.get("PYTHONPATH", "")])
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+        "--master-port", str(free_port()), str(script), *arguments,
+    ]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")

@@ -11,7 +11,6 @@ rows run. On a CPU-only machine: gloo with 2 processes and the strategies on the
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,8 +21,6 @@ import torch
 
 from llmsys.profiling import results
 from llmsys_bench import harness
-from llmsys_dev.ranks import free_port
-from llmsys_dev.workspace import source_paths
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -59,17 +56,9 @@ def skipped(device: str) -> list[str]:
 
 def torchrun(script: str, processes: int, arguments: list[str]) -> list[results.Row]:
     """Launch ``script`` on ``processes`` ranks; the rows its rank 0 wrote."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*source_paths(), env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch, "rows.csv")
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-            "--master-port", str(free_port()), str(HERE / script), *arguments, "--out", str(out),
-        ]  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+        harness.torchrun(HERE / script, processes, [*arguments, "--out", str(out)])
         return results.read_rows(out)
 
 

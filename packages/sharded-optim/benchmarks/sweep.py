@@ -9,7 +9,6 @@ main job calls :func:`run`. The environment (``NCCL_*`` included) passes to the 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,17 +40,15 @@ def skipped(device: str) -> list[str]:
     return []
 
 
-def command(device: str, quick: bool, out: Path) -> list[str]:
-    """The torchrun command line of the benchmark on ``device``."""
-    script = Path(memory_and_step.__file__)
+def arguments(device: str, quick: bool, out: Path) -> list[str]:
+    """The benchmark's arguments on ``device``."""
     if device != "cuda":
         args = SMOKE
     elif quick:
         args = ["--steps", "3", "--warmup", "1"]
     else:
         args = []  # the XL defaults
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(RANKS), str(script), "--out", str(out), *args]  # fmt: skip
+    return ["--out", str(out), *args]
 
 
 def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[harness.Row]:
@@ -59,7 +56,8 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
     if device == "cuda" and torch.cuda.device_count() < RANKS:
         return []
     with tempfile.TemporaryDirectory() as out:
-        subprocess.run(command(device, quick, Path(out)), check=True)
+        script = Path(memory_and_step.__file__)
+        harness.torchrun(script, RANKS, arguments(device, quick, Path(out)))
         rows = harness.read_rows(Path(out) / f"{harness.device_slug(device)}.csv")
     if progress:
         progress()
