@@ -11,12 +11,14 @@ overlap.
 
 from .base import DataParallel
 from .buckets import plan_buckets
+from .fsdp import FSDP
 from .process_group import init_distributed, local_device, rank_and_world_size
 from .wrappers import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FSDP",
     "DDPBucketed",
     "DDPFlat",
     "DDPIndividualParameters",

@@ -71,7 +71,9 @@ class DataParallel(nn.Module):
         for name, param in module.named_parameters(remove_duplicate=False):
             names.setdefault(param, []).append(name)
         # Unique tensors in registration order: a tied weight is one entry, reduced once.
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self._trainable_ids = {id(p) for p in trainable}  # known to the wrapper, reduced or not
+        self.params = self._reduced_parameters(trainable)
         self.param_names = [" = ".join(names[p]) for p in self.params]
         self._used = [False] * len(self.params)  # got a gradient since the last synchronization
         self._arrived = [False] * len(self.params)  # ... in this synchronized backward
@@ -131,6 +133,10 @@ class DataParallel(nn.Module):
             self._syncing = previous
 
     # -- for the wrappers -------------------------------------------------------------------
+
+    def _reduced_parameters(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
+        """The trainable parameters whose gradients are all-reduced (all of them, here)."""
+        return trainable
 
     def _synchronize(self) -> None:
         raise NotImplementedError
@@ -227,11 +233,10 @@ class DataParallel(nn.Module):
 
     def _check_all_parameters_known(self) -> None:
         """A parameter unfrozen after construction has no hook and would never be averaged."""
-        known = {id(p) for p in self.params}
         unknown = [
             name
             for name, p in self.module.named_parameters()
-            if p.requires_grad and p.grad is not None and id(p) not in known
+            if p.requires_grad and p.grad is not None and id(p) not in self._trainable_ids
         ]
         if unknown:
             raise RuntimeError(

@@ -60,21 +60,26 @@ class DDPFlat(DataParallel):
     """
 
     def _synchronize(self) -> None:
-        local = self._local_gradients()
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for index, grad in enumerate(local):
-            by_dtype.setdefault(grad.dtype, []).append(index)
-        flats = {}
-        for dtype, indices in by_dtype.items():
-            flats[dtype] = torch.cat([local[i].reshape(-1) for i in indices])
-            dist.all_reduce(flats[dtype], group=self.process_group)
-        used = self._used_everywhere()
-        for dtype, indices in by_dtype.items():
-            flat = flats[dtype].div_(self.world_size)
-            pieces = flat.split([local[i].numel() for i in indices])
-            for i, piece in zip(indices, pieces, strict=True):
-                if used[i]:
-                    local[i].copy_(piece.view_as(local[i]))
+        all_reduce_flat(self)
+
+
+def all_reduce_flat(wrapper: DataParallel) -> None:
+    """Average ``wrapper.params``' gradients with one all-reduce per dtype (DDPFlat's way)."""
+    local = wrapper._local_gradients()
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, grad in enumerate(local):
+        by_dtype.setdefault(grad.dtype, []).append(index)
+    flats = {}
+    for dtype, indices in by_dtype.items():
+        flats[dtype] = torch.cat([local[i].reshape(-1) for i in indices])
+        dist.all_reduce(flats[dtype], group=wrapper.process_group)
+    used = wrapper._used_everywhere()
+    for dtype, indices in by_dtype.items():
+        flat = flats[dtype].div_(wrapper.world_size)
+        pieces = flat.split([local[i].numel() for i in indices])
+        for i, piece in zip(indices, pieces, strict=True):
+            if used[i]:
+                local[i].copy_(piece.view_as(local[i]))
 
 
 class _Bucket:

@@ -1,0 +1,440 @@
+"""Fully sharded data parallel: each rank keeps 1/N of every weight, its gradient and its
+optimizer state, and gathers a layer's full weight only while the layer needs it.
+
+Which parameters are sharded, the rule: every parameter with two dimensions. In a language model
+those are the weights of matmuls (``(out, in)``) and lookups (``(num, dim)``), whatever class
+holds them (``nn.Linear``, ``nn.Embedding`` or the user's own layer), and they hold nearly all the
+bytes. Parameters of other ranks (norm gains, biases, scalars) are small: every rank keeps them
+whole and their gradients are all-reduced, as under DDP.
+
+A sharded parameter's ``.data`` becomes this rank's flat slice: the weight flattened, padded with
+zeros to a multiple of N and cut in N equal pieces. The module that owns it (the one it is
+registered in) gathers it around its ``forward``:
+
+    forward pre-hook    all-gather the slices (or take the one prefetched); the module's
+                        attribute now reads the full weight; issue the next layer's all-gather
+    forward             the layer runs; autograd saves a token, not the full weight
+    forward hook        drop the full weight
+    backward            the token's first use gathers the weight again (prefetching the layer
+                        before it); after the weight's own gradient arrives, the full copy goes
+                        and the gradient is reduce-scattered, asynchronously, into this rank's
+                        slice (summed; divided by N once at the end)
+
+so a rank holds its slices plus the few full layers in flight. ``finish_gradient_synchronization``
+waits for the reduce-scatters, hands each slice its gradient and averages the replicated
+parameters' gradients.
+
+A sharded weight must be read inside its owner's ``forward`` only (as every layer reads its own
+weights); read from another module's ``forward`` it is the 1-D slice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from .base import _WRAPPED, DataParallel
+from .wrappers import all_reduce_flat
+
+IN_FLIGHT_REDUCE_SCATTERS = 2  # beyond this, the oldest is waited for (its full gradient freed)
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """The sharding rule: a 2-D parameter (a matmul's or a lookup's weight) is sharded."""
+    return param.dim() == 2
+
+
+class _Shard:
+    """One sharded parameter: its full shape and how its flat, padded form splits over ranks."""
+
+    def __init__(self, param: nn.Parameter, name: str, rank: int, world_size: int):
+        self.param, self.name = param, name
+        self.shape = param.shape
+        self.numel = param.numel()
+        self.size = math.ceil(self.numel / world_size)  # elements per rank
+        self.padded = self.size * world_size
+        self.rank = rank
+
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full-size tensor (a fresh tensor, zero-padded at the end)."""
+        flat = full.detach().reshape(-1)
+        start = self.rank * self.size
+        piece = flat[start : min(start + self.size, self.numel)]
+        out = torch.zeros(self.size, dtype=full.dtype, device=full.device)
+        out[: piece.numel()] = piece
+        return out
+
+
+class _Use:
+    """One forward use of a sharded weight: its full copy while forward or backward needs it."""
+
+    def __init__(self, shard: _Shard, unit: int):
+        self.shard, self.unit = shard, unit
+        self.full: torch.Tensor | None = None  # (shape) in the compute dtype, when gathered
+        self.work = None  # the all-gather still running into ``full``, if any
+        self.saved = False  # autograd saved it: backward will gather it again
+        self.previous: _Use | None = None  # the use before this one in the forward
+
+
+class _SavedWeight:
+    """What autograd keeps of a full weight: a way to gather it again."""
+
+    def __init__(self, use: _Use, tensor: torch.Tensor):
+        self.use = use
+        self.view = (tensor.size(), tensor.stride(), tensor.storage_offset())
+
+
+class _GatheredWeight(torch.autograd.Function):
+    """shard -> full weight (already gathered into ``use.full``); backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, shard, fsdp, use):
+        ctx.fsdp, ctx.use = fsdp, use
+        return use.full
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        ctx.fsdp._gradient_arrived(ctx.use, grad_full)
+        return None, None, None
+
+
+class FSDP(DataParallel):
+    """Fully sharded data parallel over the ranks of ``torch.distributed`` (or one process).
+
+    Args:
+        module: the model, on one device (the GPU of this rank under NCCL). Every rank must
+            build the same model; rank 0's values win. It stays reachable as ``.module`` and
+            its 2-D parameters become this rank's slices (see the module docstring).
+        compute_dtype: ``None`` (compute in the parameters' dtype) or a floating dtype such as
+            ``torch.bfloat16``: weights are cast before the all-gather (fewer bytes on the
+            wire), every parameter and floating input is used in that dtype, and the master
+            weights, the gradients the optimizer sees and its state stay in the parameters'
+            dtype. Gradients are reduced in the parameters' dtype.
+        process_group: the ranks to shard over (default: all).
+
+    Call ``finish_gradient_synchronization()`` after ``backward()`` and before the optimizer
+    step. ``gather_full_params()``, ``state_dict()`` and ``load_state_dict()`` work with full
+    tensors under the unwrapped module's names; every rank must call them (they communicate).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ):
+        if compute_dtype is not None and not (
+            isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"compute_dtype must be None or a floating torch.dtype, got {compute_dtype!r}"
+            )
+        super().__init__(module, process_group=process_group)
+        self.compute_dtype = compute_dtype
+        self._shards: dict[nn.Parameter, _Shard] = {}
+        for name, param in module.named_parameters():
+            if is_sharded(param):
+                shard = _Shard(param, name, self.rank, self.world_size)
+                param.data = shard.slice_of(param)
+                self._shards[param] = shard
+        _WRAPPED[module] = self  # sharded in place: never wrap it again, at any world size
+        self._units = _owners(module, self._shards, replicated_cast=compute_dtype is not None)
+        self._module_hooks = []
+        for unit, (module_, _) in enumerate(self._units):
+            self._module_hooks.append(
+                module_.register_forward_pre_hook(lambda m, args, u=unit: self._before(u))
+            )
+            self._module_hooks.append(
+                module_.register_forward_hook(lambda m, args, out, u=unit: self._after(u))
+            )
+        self._order: list[int] = []  # units with sharded weights, in the last forward's order
+        self._position = 0  # how many of them ran in this forward
+        self._prefetched: dict[int, list[_Use]] = {}
+        self._finished: set[int] = set()  # units whose gradients arrived in this backward
+        self._active: dict[int, list[_Use]] = {}  # unit -> its uses while its forward runs
+        self._live: dict[int, _Use] = {}  # storage address of a full weight in forward -> use
+        self._last_use: _Use | None = None
+        self._reducing: deque = deque()  # (work, full gradient, slice sum, shard) in flight
+        self._reduced: list[tuple[_Shard, torch.Tensor]] = []  # slice sums ready for .grad
+
+    # -- the public contract ----------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self.compute_dtype is not None:
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        self._position, self._last_use = 0, None
+        self._finished.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self.module(*args, **kwargs)
+        finally:
+            self._drop_prefetched()
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait until every slice's gradient holds its mean over ranks, and every replicated
+        parameter's gradient too. Call after ``backward()``, before ``optimizer.step()``."""
+        while self._reducing:
+            self._finish_oldest_reduce_scatter()
+        self._drop_prefetched()
+        sums = {}
+        for shard, piece in self._reduced:
+            sums[shard] = piece if shard not in sums else sums[shard].add_(piece)
+        self._reduced = []
+        grads = []
+        for shard, total in sums.items():
+            total.div_(self.world_size)
+            param = shard.param
+            if param.grad is None:
+                param.grad = total
+            else:
+                grads.append((param.grad, total))
+        if grads:
+            torch._foreach_add_([g for g, _ in grads], [t for _, t in grads])
+        super().finish_gradient_synchronization()
+
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter at full size, under the unwrapped module's names (a copy)."""
+        return {name: self._gather_full(param) for name, param in self.module.named_parameters()}
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The unwrapped module's full state dict (parameters gathered, on the CPU)."""
+        out = {} if destination is None else destination
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            full = self._gather_full(value) if value in self._shards else value.detach()
+            out[prefix + name] = full.cpu()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full state dict (from ``state_dict()`` on any world size, or an unwrapped
+        model's) into this rank's slices and replicated parameters."""
+        if assign:
+            raise ValueError("FSDP.load_state_dict: assign=True is not supported")
+        owned = self.module.state_dict(keep_vars=True)
+        local = dict(state_dict)
+        for name, value in owned.items():
+            shard = self._shards.get(value) if isinstance(value, nn.Parameter) else None
+            if shard is None or name not in local:
+                continue
+            full = local[name]
+            if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(shard.shape):
+                got = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+                raise ValueError(
+                    f"FSDP.load_state_dict: {name!r} must be a tensor of the full shape "
+                    f"{tuple(shard.shape)}, got {got}"
+                )
+            local[name] = shard.slice_of(full.to(value.device, value.dtype))
+        return self.module.load_state_dict(local, strict=strict)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient so that their global 2-norm (all slices and the replicated
+        parameters) is at most ``max_norm``; returns the norm before clipping. Call it after
+        ``finish_gradient_synchronization()``."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        sliced = [s.param.grad for s in self._shards.values() if s.param.grad is not None]
+        whole = [p.grad for p in self.params if p.grad is not None]
+        device = next(self.module.parameters()).device
+        dtype = torch.float64 if any(g.dtype == torch.float64 for g in sliced + whole) else None
+        squares = torch.zeros(2, dtype=dtype or torch.float32, device=device)
+        for i, grads in enumerate((sliced, whole)):
+            if grads:
+                squares[i] = torch.stack([g.to(squares.dtype).pow(2).sum() for g in grads]).sum()
+        if self.world_size > 1:
+            sliced_sum = squares[:1].clone()
+            dist.all_reduce(sliced_sum, group=self.process_group)  # replicated: same everywhere
+            squares[0] = sliced_sum[0]
+        norm = squares.sum().sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        if sliced or whole:
+            torch._foreach_mul_(sliced + whole, scale)
+        return norm
+
+    def remove_hooks(self) -> None:
+        raise NotImplementedError(
+            "FSDP shards the module's parameters in place; to use the model without it, load "
+            "fsdp.state_dict() into a freshly built model"
+        )
+
+    # -- gathering ---------------------------------------------------------------------------
+
+    def _reduced_parameters(self, trainable):
+        return [p for p in trainable if not is_sharded(p)]
+
+    def _synchronize(self) -> None:
+        all_reduce_flat(self)  # the replicated parameters: few and small
+
+    def _cast_input(self, value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(self.compute_dtype)
+        return value
+
+    def _start_gather(self, shard: _Shard, unit: int) -> _Use:
+        use = _Use(shard, unit)
+        source = shard.param.detach()
+        if self.compute_dtype is not None:
+            source = source.to(self.compute_dtype)
+        out = torch.empty(shard.padded, dtype=source.dtype, device=source.device)
+        if self.world_size == 1:
+            out.copy_(source)
+        else:
+            use.work = dist.all_gather_into_tensor(
+                out, source, group=self.process_group, async_op=True
+            )
+        use.full = out[: shard.numel].view(shard.shape)
+        return use
+
+    def _ready(self, use: _Use) -> torch.Tensor:
+        if use.work is not None:
+            use.work.wait()  # on a GPU the stream waits, not the host
+            use.work = None
+        return use.full
+
+    def _gather_full(self, param: nn.Parameter) -> torch.Tensor:
+        shard = self._shards.get(param)
+        if shard is None:
+            return param.detach().clone()
+        source = param.detach()
+        out = torch.empty(shard.padded, dtype=source.dtype, device=source.device)
+        if self.world_size == 1:
+            out.copy_(source)
+        else:
+            dist.all_gather_into_tensor(out, source, group=self.process_group)
+        return out[: shard.numel].view(shard.shape)
+
+    def _before(self, unit: int) -> None:
+        module, attributes = self._units[unit]
+        sharded = [(n, p) for n, p in attributes if p in self._shards]
+        if sharded:
+            uses = self._prefetched.pop(unit, None)
+            if uses is None:
+                uses = self._start_unit(unit)
+            self._note_order(unit)
+            self._active[unit] = uses
+        for name, param in attributes:
+            if param in self._shards:
+                use = next(u for u in uses if u.shard.param is param)
+                full = self._ready(use)
+                if param.requires_grad:
+                    full = _GatheredWeight.apply(param, self, use)
+                use.previous, self._last_use = self._last_use, use
+                self._live[full.untyped_storage().data_ptr()] = use
+                module.__dict__[name] = full
+            else:  # replicated, cast for compute
+                module.__dict__[name] = param.to(self.compute_dtype)
+
+    def _after(self, unit: int) -> None:
+        module, attributes = self._units[unit]
+        for name, _ in attributes:
+            module.__dict__.pop(name, None)
+        for use in self._active.pop(unit, []):
+            self._live.pop(use.full.untyped_storage().data_ptr(), None)
+            if not use.saved:
+                use.full = None  # backward will not need it: free it now
+
+    def _start_unit(self, unit: int) -> list[_Use]:
+        _, attributes = self._units[unit]
+        return [
+            self._start_gather(self._shards[p], unit) for _, p in attributes if p in self._shards
+        ]
+
+    def _note_order(self, unit: int) -> None:
+        """Record the forward's order of sharded units and prefetch the next one."""
+        if torch._C._current_graph_task_id() != -1:
+            # Recomputing a checkpointed segment inside backward: its units run in forward
+            # order, so prefetch the next one, unless backward has already passed it.
+            position = self._order.index(unit) if unit in self._order else len(self._order)
+            following = self._order[position + 1] if position + 1 < len(self._order) else None
+            if following is not None and following not in self._finished | self._prefetched.keys():
+                self._prefetched[following] = self._start_unit(following)
+            return
+        position = self._position
+        self._position += 1
+        if position < len(self._order) and self._order[position] == unit:
+            if position + 1 < len(self._order):
+                following = self._order[position + 1]
+                if following not in self._prefetched:
+                    self._prefetched[following] = self._start_unit(following)
+        else:  # a new order (the first forward, or a different path): record it
+            del self._order[position:]
+            self._order.append(unit)
+
+    def _drop_prefetched(self) -> None:
+        for uses in self._prefetched.values():
+            for use in uses:
+                self._ready(use)  # collectives must complete even if unused
+        self._prefetched.clear()
+        self._live.clear()
+        self._active.clear()
+
+    # -- what autograd saves ----------------------------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor):
+        if self._live and tensor.layout == torch.strided and tensor.device.type != "meta":
+            use = self._live.get(tensor.untyped_storage().data_ptr())
+            if use is not None:
+                use.saved = True
+                return _SavedWeight(use, tensor)
+        return tensor
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedWeight):
+            return saved
+        use = saved.use
+        if use.full is None:
+            fresh = self._start_gather(use.shard, use.unit)
+            use.full, use.work = fresh.full, fresh.work
+        previous = use.previous  # the next weight backward needs: gather it ahead
+        if previous is not None and previous.saved and previous.full is None:
+            fresh = self._start_gather(previous.shard, previous.unit)
+            previous.full, previous.work = fresh.full, fresh.work
+        full = self._ready(use)
+        return full.as_strided(*saved.view)
+
+    def _gradient_arrived(self, use: _Use, grad_full: torch.Tensor) -> None:
+        """A full weight's gradient: free the full weight, reduce-scatter the gradient."""
+        use.full, use.saved = None, False
+        self._finished.add(use.unit)
+        shard = use.shard
+        flat = torch.zeros(shard.padded, dtype=shard.param.dtype, device=grad_full.device)
+        flat[: shard.numel].copy_(grad_full.reshape(-1))
+        piece = torch.empty(shard.size, dtype=flat.dtype, device=flat.device)
+        if self.world_size == 1:
+            piece.copy_(flat)
+            self._reduced.append((shard, piece))
+            return
+        if dist.get_backend(self.process_group) == "nccl":
+            work = dist.reduce_scatter_tensor(piece, flat, group=self.process_group, async_op=True)
+        else:  # gloo's reduce-scatter is missing in older torch: all-reduce and keep a slice
+            work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+            piece = flat[shard.rank * shard.size : (shard.rank + 1) * shard.size]
+        self._reducing.append((work, flat, piece, shard))
+        if len(self._reducing) > IN_FLIGHT_REDUCE_SCATTERS:
+            self._finish_oldest_reduce_scatter()
+
+    def _finish_oldest_reduce_scatter(self) -> None:
+        work, _, piece, shard = self._reducing.popleft()
+        work.wait()
+        self._reduced.append((shard, piece))
+
+
+def _owners(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
+    """(module, [(attribute, parameter)]) for every module that owns a sharded parameter, or,
+    when parameters are cast for compute, any floating parameter."""
+    units = []
+    for owner in module.modules():
+        attributes = [
+            (name, p)
+            for name, p in owner._parameters.items()
+            if p is not None and (p in shards or (replicated_cast and p.is_floating_point()))
+        ]
+        if attributes:
+            units.append((owner, attributes))
+    return units

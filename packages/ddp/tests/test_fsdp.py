@@ -1,0 +1,374 @@
+"""FSDP against single-process training on the whole batch (2 or 3 gloo ranks, or none).
+
+Each rank function runs in its own process (the ``run_ranks`` fixture) and trains the
+single-process reference itself, so comparisons need no communication.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils.checkpoint import checkpoint
+
+from llmsys.ddp import FSDP
+
+BATCH, STEPS = 12, 3  # a batch of 12 splits evenly over 1, 2 or 3 ranks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(dim))  # 1-D: replicated
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.gain
+
+
+class OwnLinear(nn.Module):
+    """A user's layer: a raw 2-D parameter used by a matmul, and a bias (replicated)."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_in, d_out) / d_in**0.5)
+        self.bias = nn.Parameter(torch.zeros(d_out))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class TiedLM(nn.Module):
+    """Embedding shared with the output head, a norm gain, a user layer, a layer never used."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.mix = OwnLinear(8, 9)
+        self.back = nn.Linear(9, 8)
+        self.norm = RMSNorm(8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight
+        self.never = nn.Linear(8, 8)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.back(torch.tanh(self.mix(h)))
+        return self.head(self.norm(h))
+
+
+class FrozenCheckpointed(nn.Module):
+    """A frozen layer, a buffer (not cast for compute: buffers keep their dtype), and layers
+    under reentrant and non-reentrant checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(6, 16)
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.reentrant = nn.Linear(16, 16)
+        self.non_reentrant = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.last = nn.Linear(16, 3)
+        self.register_buffer("scale", torch.rand(16))
+
+    def forward(self, x):
+        h = torch.tanh(self.frozen(torch.tanh(self.first(x)) * self.scale.to(x.dtype)))
+        h = checkpoint(lambda t: torch.tanh(self.reentrant(t)), h, use_reentrant=True)
+        h = checkpoint(self.non_reentrant, h, use_reentrant=False)
+        return self.last(h)
+
+
+def regression_batch(generator):
+    return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
+
+
+def token_batch(generator):
+    tokens = torch.randint(0, 11, (BATCH, 5), generator=generator)
+    return tokens, torch.randint(0, 11, (BATCH, 5), generator=generator)
+
+
+def at_least_float32(tensor):  # a loss in half precision would round more than the test allows
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
+def token_loss(logits, targets):
+    return F.cross_entropy(at_least_float32(logits).flatten(0, 1), targets.flatten())
+
+
+def regression_loss(out, targets):
+    return F.mse_loss(at_least_float32(out), targets)
+
+
+MODELS = {  # name: (constructor, batch maker, loss)
+    "tied": (TiedLM, token_batch, token_loss),
+    "frozen, checkpointed": (FrozenCheckpointed, regression_batch, regression_loss),
+}
+
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    # Adam divides by the gradient's size, so rounding in a near-zero gradient can flip an
+    # update's sign: half-precision comparisons take plain steps, whose error stays lr * error.
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+}
+
+
+def batches(kind, steps=STEPS):
+    generator = torch.Generator().manual_seed(1234)
+    return [MODELS[kind][1](generator) for _ in range(steps)]
+
+
+def cast_inputs(inputs, dtype):
+    return inputs.to(dtype) if dtype is not None and inputs.is_floating_point() else inputs
+
+
+class Cast(nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, weight):
+        return weight.to(self.dtype)
+
+
+def train_single_process(kind, compute_dtype=None, steps=STEPS, optimizer="adamw"):
+    """The reference: the whole batch in one process; with ``compute_dtype`` every parameter
+    (through torch's own parametrizations) and floating input is cast for compute, and the
+    float master weights take the step."""
+    torch.manual_seed(0)
+    make, _, loss_fn = MODELS[kind]
+    model = make()
+    if compute_dtype is not None:
+        for module in list(model.modules()):
+            for name, _ in list(module.named_parameters(recurse=False)):
+                parametrize.register_parametrization(module, name, Cast(compute_dtype), unsafe=True)
+    optimizer = OPTIMIZERS[optimizer](model.parameters())
+    for inputs, targets in batches(kind, steps):
+        optimizer.zero_grad()
+        loss_fn(model(cast_inputs(inputs, compute_dtype)), targets).backward()
+        optimizer.step()
+    return model
+
+
+def master_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters under their plain names (a parametrized weight's original)."""
+    return {
+        name.replace("parametrizations.", "").replace(".original", ""): p
+        for name, p in model.named_parameters()
+    }
+
+
+def train_fsdp(kind, rank, world_size, compute_dtype=None, steps=STEPS, optimizer="adamw"):
+    torch.manual_seed(rank)  # each rank initializes differently: rank 0's weights must win
+    make, _, loss_fn = MODELS[kind]
+    model = FSDP(make(), compute_dtype)
+    optimizer = OPTIMIZERS[optimizer](model.parameters())
+    mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    for inputs, targets in batches(kind, steps):
+        optimizer.zero_grad()
+        loss_fn(model(inputs[mine]), targets[mine]).backward()
+        model.finish_gradient_synchronization()
+        optimizer.step()
+    return model, optimizer
+
+
+def assert_matches(expected: nn.Module, got: dict, label: str, atol: float) -> None:
+    want = master_weights(expected)
+    assert got.keys() == want.keys(), label
+    for name, value in want.items():
+        assert got[name].shape == value.shape, (label, name)
+        error = (got[name] - value.detach()).abs().max().item()
+        assert error <= atol, f"{label}: {name} differs from single-process training by {error}"
+
+
+def check_training(rank, world_size, kind, checkpoint_path=None):
+    torch.set_default_dtype(torch.float64)
+    expected = train_single_process(kind)
+    model, optimizer = train_fsdp(kind, rank, world_size)
+    assert_matches(expected, model.gather_full_params(), kind, atol=1e-12)
+
+    # Every 2-D parameter is this rank's flat slice, and so is its gradient and AdamW state.
+    for name, param in model.module.named_parameters():
+        full = dict(expected.named_parameters())[name]
+        if full.dim() == 2:
+            assert param.shape == (-(-full.numel() // world_size),), name
+            if param.requires_grad and name != "never.weight":
+                assert param.grad.shape == param.shape, name
+                assert optimizer.state[param]["exp_avg"].shape == param.shape, name
+        else:
+            assert param.shape == full.shape, name
+    never = getattr(model.module, "never", None)
+    if never is not None:  # never used on any rank: no gradient, as in single-process training
+        assert never.weight.grad is None and never.bias.grad is None
+
+    # The full state dict loads into a plain model, and back into the sharded one.
+    plain = MODELS[kind][0]()
+    plain.load_state_dict(model.state_dict())
+    assert_matches(expected, dict(plain.named_parameters()), f"{kind} state_dict", atol=1e-12)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(1.0)
+    model.load_state_dict(plain.state_dict())
+    assert_matches(plain, model.gather_full_params(), f"{kind} load_state_dict", atol=0.0)
+
+    if checkpoint_path is not None:  # saved by another world size
+        model.load_state_dict(torch.load(checkpoint_path))
+        assert_matches(expected, model.gather_full_params(), "checkpoint", atol=1e-12)
+    if kind == "tied":
+        check_clip_grad_norm(rank, world_size)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_matches_single_process_training(run_ranks, kind):
+    run_ranks(check_training, kind=kind)
+
+
+def test_three_ranks_pad_uneven_slices_and_load_a_one_rank_checkpoint(run_ranks, tmp_path):
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, _ = train_fsdp("tied", rank=0, world_size=1)
+        torch.save(model.state_dict(), tmp_path / "full.pt")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    path = str(tmp_path / "full.pt")
+    run_ranks(check_training, world_size=3, kind="tied", checkpoint_path=path, timeout=180)
+
+
+def test_without_a_process_group_is_plain_training_bit_for_bit():
+    torch.manual_seed(0)
+    expected = train_single_process("tied")
+    model, _ = train_fsdp("tied", rank=0, world_size=1)
+    assert model.world_size == 1
+    assert_matches(expected, model.gather_full_params(), "world size 1", atol=0.0)
+
+
+class Dyadic(nn.Module):
+    """Linear layers and ReLU on values with few significant bits: every sum is exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(8, 4)
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 2)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randint(-4, 5, p.shape) / 8)
+
+    def forward(self, tokens, x):
+        return self.down(F.relu(self.up(self.embed(tokens) + x)))
+
+
+def check_float32_bit_for_bit(rank, world_size):
+    """In float32 the weights equal single-process training exactly where arithmetic is exact
+    (the first step here); elsewhere they agree to rounding, since each rank sums its half of
+    the batch before the halves are added."""
+    generator = torch.Generator().manual_seed(7)
+    steps = [
+        (
+            torch.randint(0, 8, (8,), generator=generator),
+            torch.randint(-4, 5, (8, 4), generator=generator) / 4,
+            torch.randint(-4, 5, (8, 2), generator=generator) / 4,
+        )
+        for _ in range(2)
+    ]
+    torch.manual_seed(0)
+    reference = Dyadic()
+    torch.manual_seed(rank)
+    model = FSDP(Dyadic())
+    single = torch.optim.SGD(reference.parameters(), lr=0.125)
+    sharded = torch.optim.SGD(model.parameters(), lr=0.125)
+    mine = slice(rank * 8 // world_size, (rank + 1) * 8 // world_size)
+    for step, (tokens, x, y) in enumerate(steps):
+        single.zero_grad()
+        F.mse_loss(reference(tokens, x), y, reduction="sum").div(8).backward()
+        single.step()
+        sharded.zero_grad()
+        F.mse_loss(model(tokens[mine], x[mine]), y[mine], reduction="sum").div(
+            8 // world_size
+        ).backward()
+        model.finish_gradient_synchronization()
+        sharded.step()
+        got = model.gather_full_params()
+        for name, value in reference.named_parameters():
+            if step == 0:  # exact arithmetic: equal bit for bit
+                assert torch.equal(got[name], value), name
+            else:  # the weights have more bits now: sums round, in a different order
+                torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
+
+
+def test_float32_bit_for_bit(run_ranks):
+    run_ranks(check_float32_bit_for_bit)
+
+
+def check_compute_dtypes(rank, world_size):
+    for dtype, kind in itertools.product([torch.float16, torch.bfloat16], MODELS):
+        expected = train_single_process(kind, dtype, optimizer="sgd")
+        model, optimizer = train_fsdp(kind, rank, world_size, dtype, optimizer="sgd")
+        for param in model.parameters():  # master weights, gradients and state stay float32
+            assert param.dtype == torch.float32
+            if param.grad is not None:
+                assert param.grad.dtype == torch.float32
+                assert not optimizer.state[param]  # plain SGD keeps no state
+        # Each rank rounds the gradient of its half of the batch to the compute dtype before
+        # the halves are added: errors of a few units in the last place of a gradient, times the
+        # learning rate. bfloat16 keeps 3 fewer bits than float16.
+        atol = 1e-4 if dtype == torch.float16 else 1e-3
+        assert_matches(expected, model.gather_full_params(), f"{kind} in {dtype}", atol=atol)
+
+
+def test_compute_dtype_matches_single_process_casting_the_same_way(run_ranks):
+    run_ranks(check_compute_dtypes)
+
+
+def check_clip_grad_norm(rank, world_size):
+    """The norm is global (every slice and replicated gradient), as is the clipping."""
+    inputs, targets = batches("tied", 1)[0]
+    torch.manual_seed(0)
+    reference = TiedLM()
+    token_loss(reference(inputs), targets).backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.1)
+    torch.manual_seed(rank)
+    model = FSDP(TiedLM())
+    mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    token_loss(model(inputs[mine]), targets[mine]).backward()
+    model.finish_gradient_synchronization()
+    norm = model.clip_grad_norm_(0.1)
+    assert abs(norm.item() - expected_norm.item()) <= 1e-12, (norm, expected_norm)
+    # The clipped slices, gathered, are the reference's clipped gradients.
+    for name, param in model.module.named_parameters():
+        want = dict(reference.named_parameters())[name].grad
+        if want is None:
+            assert param.grad is None, name
+            continue
+        if param.dim() == 1 and want.dim() == 2:
+            gathered = [torch.empty_like(param.grad) for _ in range(world_size)]
+            torch.distributed.all_gather(gathered, param.grad)
+            got = torch.cat(gathered)[: want.numel()].view_as(want)
+        else:
+            got = param.grad
+        assert (got - want).abs().max().item() <= 1e-12, name
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="compute_dtype"):
+        FSDP(nn.Linear(2, 2), compute_dtype="bf16")
+    with pytest.raises(TypeError, match="compute_dtype"):
+        FSDP(nn.Linear(2, 2), compute_dtype=torch.int8)
+    with pytest.raises(TypeError, match="module"):
+        FSDP(torch.zeros(2))
+    layer = nn.Linear(3, 2)
+    model = FSDP(layer)
+    with pytest.raises(ValueError, match="already wrapped"):
+        FSDP(layer)
+    with pytest.raises(ValueError, match=r"'weight'.*\(2, 3\)"):
+        model.load_state_dict({"weight": torch.zeros(3, 2), "bias": torch.zeros(2)})
+    with pytest.raises(ValueError, match="max_norm"):
+        model.clip_grad_norm_(0.0)
+    with pytest.raises(TypeError, match="max_norm"):
+        model.clip_grad_norm_("1")
+    kept = layer.weight.detach().clone()
+    with pytest.raises(ValueError):
+        model.load_state_dict({"weight": torch.zeros(5), "bias": torch.zeros(2)})
+    assert torch.equal(layer.weight.detach(), kept)  # a refused load leaves the weights alone
