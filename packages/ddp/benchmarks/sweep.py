@@ -41,9 +41,15 @@ def commands(device: str, quick: bool) -> list[tuple[str, int, list[str]]]:
     if gpus >= 2:
         runs += [("all_reduce.py", n, ["--backend", "nccl"]) for n in (2, 4, 6, 8) if n <= gpus]
         runs.append(("strategies.py", 2, ["--size", "tiny" if quick else "xl"]))
+        for size in ["tiny"] if quick else ["xl", "2.7B"]:
+            runs.append(("fsdp.py", 2, ["--size", size, "--checkpointing", "both"]))
+        if not quick:
+            runs.append(("fsdp.py", 2, ["--largest", "10B", "--steps", "4"]))
     elif gpus == 0:
-        tiny = ["--size", "tiny", "--context-length", "32", "--batch-size", "2", "--dtype", "fp32"]
-        runs.append(("strategies.py", 2, [*tiny, "--steps", "2", "--warmup", "1"]))
+        tiny = ["--size", "tiny", "--context-length", "32", "--batch-size", "2"]
+        few = ["--steps", "2", "--warmup", "1"]
+        runs.append(("strategies.py", 2, [*tiny, "--dtype", "fp32", *few]))
+        runs.append(("fsdp.py", 2, [*tiny, *few, "--checkpointing", "both"]))
     return runs
 
 
@@ -73,7 +79,10 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[res
 
 def report_markdown(rows: list[results.Row]) -> str:
     reduce = [r for r in rows if r.kernel == "all_reduce"]
-    steps = [r for r in rows if r.kernel != "all_reduce"]
+    steps = [r for r in rows if r.kernel == "transformer_lm/data_parallel"]
+    sharded = [
+        r for r in rows if r.kernel.startswith(("transformer_lm/sharded", "transformer_lm/larg"))
+    ]
     parts = []
     if reduce:
         parts.append("### All-reduce (float32; throughput is bus bandwidth)\n\n"
@@ -82,6 +91,12 @@ def report_markdown(rows: list[results.Row]) -> str:
         parts.append("### Training step per strategy (`vs baseline`: torch DDP's time over this "
                      "one's; the config column has exposed and total communication)\n\n"
                      + results.markdown_table(steps))  # fmt: skip
+    if sharded:
+        notes = "\n".join(f"| {r.x} | {r.mode} | {r.provider} | {r.config} |" for r in sharded)
+        parts.append("### Sharded training: DDP, ZeRO-1, FSDP and torch FSDP2 (`vs baseline`: "
+                     "one GPU alone over this one's time)\n\n" + results.markdown_table(sharded)
+                     + "\n\n| case | mode | provider | predicted peak, ratios, communication |\n"
+                     "|---|---|---|---|\n" + notes)  # fmt: skip
     return "\n\n".join(parts)
 
 
@@ -92,7 +107,9 @@ def plot(rows: list[results.Row], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    sharded = [r for r in rows if r.kernel == "transformer_lm/sharded_training"]
+    fig, axes = plt.subplots(1, 3 if sharded else 2, figsize=(20 if sharded else 13, 5))
+    left, right = axes[0], axes[1]
     reduce = [r for r in rows if r.kernel == "all_reduce"]
     for key in dict.fromkeys((r.provider, r.mode) for r in reduce):
         mine = [r for r in reduce if (r.provider, r.mode) == key]
@@ -103,7 +120,7 @@ def plot(rows: list[results.Row], path: Path) -> Path:
     left.grid(alpha=0.3, which="both")
     if reduce:
         left.legend(fontsize=8)
-    steps = [r for r in rows if r.kernel != "all_reduce"]
+    steps = [r for r in rows if r.kernel == "transformer_lm/data_parallel"]
     if steps:
         right.barh([r.provider for r in steps], [r.p50 for r in steps], color="tab:blue")
         floor = next((r.p50 for r in steps if r.provider == "no communication"), None)
@@ -114,6 +131,16 @@ def plot(rows: list[results.Row], path: Path) -> Path:
         right.invert_yaxis()
         right.set_xlabel("ms per training step (median, slowest rank)")
         right.set_title(f"{steps[0].x}, {steps[0].mode}, {steps[0].dtype}")
+    if sharded:
+        labels = [f"{r.x.split()[0]}{' ckpt' if 'checkpointing' in r.mode else ''} {r.provider}"
+                  for r in sharded]  # fmt: skip
+        axes[2].barh(labels, [r.memory_gib or 0 for r in sharded], color="tab:green")
+        axes[2].invert_yaxis()
+        axes[2].tick_params(axis="y", labelsize=7)
+        axes[2].set_xlabel("peak GiB per GPU (bar) and ms per step (label)")
+        for y, r in enumerate(sharded):
+            axes[2].annotate(f"{r.p50:.0f} ms", (r.memory_gib or 0, y), fontsize=7, va="center")
+        axes[2].set_title("sharded training, 2 ranks")
     return harness.save_figure(fig, path, "llmsys-ddp")
 
 
