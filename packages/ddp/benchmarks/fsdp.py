@@ -127,7 +127,7 @@ def build(name: str, config: ModelConfig, device, world_size: int):
     model = TransformerLM(config, device=device)
     wrap = STRATEGIES[name].wrap
     optimizer = None
-    if wrap is not None and world_size > 1:
+    if wrap is not None:
         model = wrap(model)
         if isinstance(model, tuple):
             model, optimizer = model

@@ -133,13 +133,13 @@ class Cast(nn.Module):
         return weight.to(self.dtype)
 
 
-def train_single_process(kind, compute_dtype=None, steps=STEPS, optimizer="adamw"):
+def train_single_process(kind, compute_dtype=None, steps=STEPS, optimizer="adamw", device="cpu"):
     """The reference: the whole batch in one process; with ``compute_dtype`` every parameter
     (through torch's own parametrizations) and floating input is cast for compute, and the
     float master weights take the step."""
     torch.manual_seed(0)
     make, _, loss_fn = MODELS[kind]
-    model = make()
+    model = make().to(device)
     if compute_dtype is not None:
         for module in list(model.modules()):
             for name, _ in list(module.named_parameters(recurse=False)):
@@ -147,6 +147,7 @@ def train_single_process(kind, compute_dtype=None, steps=STEPS, optimizer="adamw
     optimizer = OPTIMIZERS[optimizer](model.parameters())
     for inputs, targets in batches(kind, steps):
         optimizer.zero_grad()
+        inputs, targets = inputs.to(device), targets.to(device)
         loss_fn(model(cast_inputs(inputs, compute_dtype)), targets).backward()
         optimizer.step()
     return model
@@ -160,15 +161,17 @@ def master_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def train_fsdp(kind, rank, world_size, compute_dtype=None, steps=STEPS, optimizer="adamw"):
+def train_fsdp(
+    kind, rank, world_size, compute_dtype=None, steps=STEPS, optimizer="adamw", device="cpu"
+):
     torch.manual_seed(rank)  # each rank initializes differently: rank 0's weights must win
     make, _, loss_fn = MODELS[kind]
-    model = FSDP(make(), compute_dtype)
+    model = FSDP(make().to(device), compute_dtype)
     optimizer = OPTIMIZERS[optimizer](model.parameters())
     mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
     for inputs, targets in batches(kind, steps):
         optimizer.zero_grad()
-        loss_fn(model(inputs[mine]), targets[mine]).backward()
+        loss_fn(model(inputs[mine].to(device)), targets[mine].to(device)).backward()
         model.finish_gradient_synchronization()
         optimizer.step()
     return model, optimizer
@@ -372,3 +375,35 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError):
         model.load_state_dict({"weight": torch.zeros(5), "bias": torch.zeros(2)})
     assert torch.equal(layer.weight.detach(), kept)  # a refused load leaves the weights alone
+
+
+def check_on_gpus(rank, world_size):
+    """float64 training against the reference, then bf16 compute, on one GPU per rank."""
+    torch.set_default_dtype(torch.float64)
+    for kind in MODELS:
+        expected = train_single_process(kind, device="cuda")
+        model, _ = train_fsdp(kind, rank, world_size, device="cuda")
+        assert_matches(expected, model.gather_full_params(), f"{kind} on cuda", atol=1e-12)
+    torch.set_default_dtype(torch.float32)
+    for kind in MODELS:
+        expected = train_single_process(kind, torch.bfloat16, optimizer="sgd", device="cuda")
+        model, _ = train_fsdp(
+            kind, rank, world_size, torch.bfloat16, optimizer="sgd", device="cuda"
+        )
+        assert_matches(expected, model.gather_full_params(), f"{kind} bf16 on cuda", atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_one_gpu_without_a_process_group():
+    torch.manual_seed(0)
+    try:
+        check_on_gpus(rank=0, world_size=1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.gpu
+def test_nccl_on_two_gpus(run_ranks):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs for one NCCL rank each")
+    run_ranks(check_on_gpus, backend="nccl")

@@ -410,9 +410,12 @@ class FSDP(DataParallel):
             piece.copy_(flat)
             self._reduced.append((shard, piece))
             return
-        if dist.get_backend(self.process_group) == "nccl":
+        try:
             work = dist.reduce_scatter_tensor(piece, flat, group=self.process_group, async_op=True)
-        else:  # gloo's reduce-scatter is missing in older torch: all-reduce and keep a slice
+        except (RuntimeError, NotImplementedError):
+            if dist.get_backend(self.process_group) == "nccl":
+                raise
+            # gloo before torch 2.8 has no reduce-scatter: all-reduce and keep this rank's slice
             work = dist.all_reduce(flat, group=self.process_group, async_op=True)
             piece = flat[shard.rank * shard.size : (shard.rank + 1) * shard.size]
         self._reducing.append((work, flat, piece, shard))
