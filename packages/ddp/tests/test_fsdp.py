@@ -202,6 +202,10 @@ def check_training(rank, world_size, kind, checkpoint_path=None):
                 assert optimizer.state[param]["exp_avg"].shape == param.shape, name
         else:
             assert param.shape == full.shape, name
+    # No full weight is left behind, even where checkpointing stopped a recomputation early.
+    for module in model.module.modules():
+        for name, param in module.named_parameters(recurse=False):
+            assert getattr(module, name) is param, (type(module).__name__, name)
     never = getattr(model.module, "never", None)
     if never is not None:  # never used on any rank: no gradient, as in single-process training
         assert never.weight.grad is None and never.bias.grad is None

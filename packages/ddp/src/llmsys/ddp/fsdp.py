@@ -311,6 +311,8 @@ class FSDP(DataParallel):
 
     def _before(self, unit: int) -> None:
         module, attributes = self._units[unit]
+        if unit in self._active:  # a recomputation stopped early inside it (see _after's callers)
+            self._after(unit)
         sharded = [(n, p) for n, p in attributes if p in self._shards]
         if sharded:
             uses = self._prefetched.pop(unit, None)
@@ -331,13 +333,14 @@ class FSDP(DataParallel):
                 module.__dict__[name] = param.to(self.compute_dtype)
 
     def _after(self, unit: int) -> None:
+        """Drop the unit's full weights: freed now, or when autograd no longer needs them."""
         module, attributes = self._units[unit]
         for name, _ in attributes:
             module.__dict__.pop(name, None)
         for use in self._active.pop(unit, []):
-            self._live.pop(use.full.untyped_storage().data_ptr(), None)
-            if not use.saved:
-                use.full = None  # backward will not need it: free it now
+            if use.full is not None:
+                self._live.pop(use.full.untyped_storage().data_ptr(), None)
+            use.full = None  # if autograd saved it, backward gathers it again
 
     def _start_unit(self, unit: int) -> list[_Use]:
         _, attributes = self._units[unit]
@@ -371,8 +374,9 @@ class FSDP(DataParallel):
             for use in uses:
                 self._ready(use)  # collectives must complete even if unused
         self._prefetched.clear()
+        for unit in list(self._active):
+            self._after(unit)
         self._live.clear()
-        self._active.clear()
 
     # -- what autograd saves ----------------------------------------------------------------
 
@@ -402,6 +406,10 @@ class FSDP(DataParallel):
         """A full weight's gradient: free the full weight, reduce-scatter the gradient."""
         use.full, use.saved = None, False
         self._finished.add(use.unit)
+        if use.unit in self._active:
+            # Checkpointing recomputes a segment only up to the last tensor backward needs and
+            # stops mid-layer, so that layer's forward hook never ran: release it here.
+            self._after(use.unit)
         shard = use.shard
         flat = torch.zeros(shard.padded, dtype=shard.param.dtype, device=grad_full.device)
         flat[: shard.numel].copy_(grad_full.reshape(-1))
