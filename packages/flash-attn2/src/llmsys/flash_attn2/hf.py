@@ -44,7 +44,8 @@ def register() -> str:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as error:
         raise ImportError(
-            "llmsys.flash_attn2.hf needs transformers: pip install 'llmsys-flash-attn2[transformers]'"
+            "llmsys.flash_attn2.hf needs transformers: "
+            "pip install 'llmsys-flash-attn2[transformers]'"
         ) from error
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, causal_mask)
