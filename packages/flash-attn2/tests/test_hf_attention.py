@@ -52,6 +52,7 @@ def calls(monkeypatch):
     seen, flash_attention = [], hf.flash_attention
 
     def spy(q, k, v, causal=False, scale=None):
+        assert q.dtype == k.dtype == v.dtype
         seen.append((tuple(q.shape), tuple(k.shape), causal))
         return flash_attention(q, k, v, causal, scale)
 
@@ -81,6 +82,29 @@ def test_logits_and_gradients_match_the_stock_model(family, device, calls):
         assert relative_error(grad, want_grads[name]) < tol, name
     # one causal call per layer; the 2 key/value heads go in as they are (no repeat_kv copy)
     assert calls == [((2, HEADS, 13, 16), (2, KV_HEADS, 13, 16), True)] * LAYERS
+
+
+def test_under_autocast_it_runs_in_the_autocast_dtype(device, calls):
+    ours, stock = model_pair(device)
+    stock.float()
+    ids = torch.randint(0, VOCAB, (2, 11), device=device)
+    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        got, want = ours(ids).logits, stock(ids).logits
+    assert torch.isfinite(got).all() and relative_error(got, want) < 3e-2  # bf16
+    assert len(calls) == LAYERS
+
+
+def test_under_torch_compile_the_causal_pattern_is_checked_not_assumed(device, calls):
+    # Tracing, transformers cannot rule out packed sequences and hands over its mask pattern.
+    ours, _ = model_pair(device)
+    ids = torch.randint(0, VOCAB, (2, 7), device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids, use_cache=False).logits, ours(ids, use_cache=False).logits)
+        with pytest.raises(ValueError, match="packed sequences"):
+            forward_with_packed_sequences(compiled, ids)
+    torch._dynamo.reset()
 
 
 def test_from_pretrained_and_from_config_use_it(tmp_path, calls):

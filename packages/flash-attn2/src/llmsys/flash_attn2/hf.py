@@ -84,10 +84,19 @@ def causal_mask(
             "that need a mask; use the default DynamicCache"
         )
     if not allow_is_causal_skip:
-        raise _refuse(
-            "this forward needs an explicit mask (packed sequences in position_ids, a "
-            "bidirectional or custom mask pattern); only plain causal attention is supported"
-        )
+        # transformers composed a pattern (packed sequences, a custom or bidirectional mask), or
+        # could not rule packing out because it is tracing: is the pattern still plain causal?
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise _refuse(
+                "under CUDA-graph capture transformers cannot rule out packed sequences (its "
+                "check reads position_ids), and neither can this check; capture with sdpa"
+            )
+        pattern = (batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
+        if not _is_plain_causal(kwargs.get("mask_function"), *pattern):
+            raise _refuse(
+                "this forward needs an explicit mask (packed sequences in position_ids, a "
+                "bidirectional or custom mask pattern); only plain causal attention is supported"
+            )
     if kv_offset != 0 or kv_length != seen:
         raise _refuse(
             f"the {kv_length} keys from position {kv_offset} are not the whole sequence so far "
@@ -117,6 +126,26 @@ def causal_mask(
     return None
 
 
+def _is_plain_causal(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, device):
+    """Whether transformers' index-based ``mask_function(batch, head, q, kv) -> bool`` allows
+    exactly ``kv <= q`` at every position of this call. Reads a device tensor: under
+    torch.compile this is a graph break (one per forward, not per layer)."""
+    if mask_function is None:
+        return False
+    q = torch.arange(q_length, device=device) + q_offset
+    kv = torch.arange(kv_length, device=device) + kv_offset
+    batch = torch.arange(batch_size, device=device)
+    head = torch.zeros(1, dtype=torch.long, device=device)
+    try:
+        allowed = mask_function(batch[:, None, None, None], head[None, :, None, None],
+                                q[None, None, :, None], kv[None, None, None, :])  # fmt: skip
+    except Exception:  # a pattern that is not index-based: treat it as not causal
+        return False
+    causal = kv[None, None, None, :] <= q[None, None, :, None]
+    return bool(torch.equal(allowed.expand(batch_size, 1, q_length, kv_length), causal.expand(
+        batch_size, 1, q_length, kv_length)))  # fmt: skip
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -143,6 +172,8 @@ def attention_forward(
         scaling: the score scale (default ``1 / sqrt(d)``).
         sliding_window: at least ``N_k`` if given (else the window would mask keys).
         softcap: must be None.
+
+    Under ``torch.autocast`` the three are cast to the autocast dtype first, as SDPA does.
 
     Returns:
         ``(output, None)``: output ``(B, N_q, H, d)`` contiguous; no attention weights.
@@ -172,5 +203,9 @@ def attention_forward(
         raise _refuse(
             f"{query.shape[2]} queries over {key.shape[2]} keys need a bottom-right causal mask"
         )
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):  # as SDPA under autocast: one low-precision dtype
+        dtype = torch.get_autocast_dtype(device_type)  # (rotary embeddings leave q, k in fp32)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     out = flash_attention(query, key, value, causal=causal, scale=scaling)  # (B, H, N_q, d)
     return out.transpose(1, 2).contiguous(), None
