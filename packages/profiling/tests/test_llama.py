@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from llmsys.profiling import cli, results
+from llmsys.profiling import cli, llama, results
 
 pytest.importorskip(
     "transformers", reason="transformers is an optional extra: llmsys-profiling[transformers]"
@@ -39,3 +39,34 @@ def test_quick_run_writes_every_case_its_errors_and_a_plot(tmp_path, capsys):
     assert 0 < int8 < 0.1 and 0 < reference < 0.1 and math.isclose(int8, reference, rel_tol=0.5)
     assert (tmp_path / "llama.png").stat().st_size > 0
     assert "| llama/train-step |" in capsys.readouterr().out
+
+
+def test_the_readme_example_all_three_kernels_in_one_model():
+    """llmsys-flash-attn2's README: our attention and SwiGLU for training, then INT8 linears."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmsys.flash_attn2.hf import register
+    from llmsys.kernels_int8 import Int8Linear, quantize_linears
+    from llmsys.kernels_swiglu.hf import SwiGLUGatedMLP, patch_gated_mlps
+
+    config = LlamaConfig(**llama.TINY)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register())
+    stock = AutoModelForCausalLM.from_config(LlamaConfig(**llama.TINY), attn_implementation="sdpa")
+    stock.load_state_dict(model.state_dict())
+    patch_gated_mlps(model)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+    model = quantize_linears(model.half().eval())
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * 2 + 1  # + lm_head
+    assert sum(isinstance(m, SwiGLUGatedMLP) for m in model.modules()) == 2
+    with torch.no_grad():
+        got = model(ids).logits.float()
+        want = stock.double()(ids).logits
+        tokens = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert llama.relative_error(got, want) < 0.1  # W8A8's error, not a broken model
+    assert tokens.shape == (2, 15) and torch.equal(tokens[:, :12], ids)

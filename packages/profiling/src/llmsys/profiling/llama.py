@@ -328,7 +328,7 @@ def plot(rows: list[results.Row], path: Path) -> Path:
     fig = Figure(figsize=(11, 4), layout="constrained")
     for ax, (title, provider) in zip(fig.subplots(1, 2), panels, strict=True):
         shown = [r for r in rows if r.provider == provider and r.speedup_vs_baseline]
-        labels = [f"{r.kernel.split('/')[1]} {r.x}\n{r.mode}" for r in shown]
+        labels = [f"{r.kernel.split('/')[1]}\n{r.x}\n{r.mode}" for r in shown]
         speedups = [r.speedup_vs_baseline for r in shown]
         ax.bar(range(len(shown)), speedups, color=["C2" if s >= 1 else "C3" for s in speedups])
         ax.axhline(1.0, color="black", linewidth=0.8)
