@@ -100,10 +100,15 @@ def test_under_torch_compile_the_causal_pattern_is_checked_not_assumed(device, c
     ids = torch.randint(0, VOCAB, (2, 7), device=device)
     torch._dynamo.reset()
     compiled = torch.compile(ours, backend="eager")
+    ones = torch.ones_like(ids)
     with torch.no_grad():
-        assert torch.equal(compiled(ids, use_cache=False).logits, ours(ids, use_cache=False).logits)
+        want = ours(ids, use_cache=False).logits
+        assert torch.equal(compiled(ids, use_cache=False).logits, want)
+        assert torch.equal(compiled(ids, attention_mask=ones, use_cache=False).logits, want)
         with pytest.raises(ValueError, match="packed sequences"):
             forward_with_packed_sequences(compiled, ids)
+        with pytest.raises(ValueError, match="padded positions"):
+            forward_with_padding(compiled, ids)
     torch._dynamo.reset()
 
 

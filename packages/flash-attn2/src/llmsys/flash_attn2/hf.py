@@ -56,10 +56,8 @@ def _refuse(what: str) -> ValueError:
     return ValueError(f"attn_implementation='{ATTN_IMPLEMENTATION}': {what}; {_FALLBACK}")
 
 
-def _tracing() -> bool:
-    return torch.compiler.is_compiling() or (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    )
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def causal_mask(
@@ -80,23 +78,10 @@ def causal_mask(
     # StaticCache counts its tokens on the device (a tensor offset) and hands out all its slots
     if isinstance(q_offset, torch.Tensor) or (kv_offset == 0 and kv_length > seen):
         raise _refuse(
-            "a static KV cache (StaticCache, cache_implementation='static') has unfilled slots "
-            "that need a mask; use the default DynamicCache"
+            f"{kv_length} keys for {seen} tokens: a static KV cache (StaticCache, "
+            "cache_implementation='static') has unfilled slots that need a mask (use the "
+            "default DynamicCache), and cross-attention is not causal"
         )
-    if not allow_is_causal_skip:
-        # transformers composed a pattern (packed sequences, a custom or bidirectional mask), or
-        # could not rule packing out because it is tracing: is the pattern still plain causal?
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise _refuse(
-                "under CUDA-graph capture transformers cannot rule out packed sequences (its "
-                "check reads position_ids), and neither can this check; capture with sdpa"
-            )
-        pattern = (batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
-        if not _is_plain_causal(kwargs.get("mask_function"), *pattern):
-            raise _refuse(
-                "this forward needs an explicit mask (packed sequences in position_ids, a "
-                "bidirectional or custom mask pattern); only plain causal attention is supported"
-            )
     if kv_offset != 0 or kv_length != seen:
         raise _refuse(
             f"the {kv_length} keys from position {kv_offset} are not the whole sequence so far "
@@ -112,13 +97,27 @@ def causal_mask(
             f"a sliding window or attention chunk of {local_size} tokens is shorter than the "
             f"sequence ({seen} tokens)"
         )
-    if attention_mask is not None:
-        if _tracing():
+    if not allow_is_causal_skip:
+        # transformers composed a pattern (packed sequences, a custom or bidirectional mask), or
+        # could not rule packing out because it is tracing: is the pattern still plain causal?
+        if _capturing():
             raise _refuse(
-                "under torch.compile or CUDA-graph capture pass attention_mask=None: whether it "
-                "pads cannot be checked there"
+                "under CUDA-graph capture transformers cannot rule out packed sequences (its "
+                "check reads position_ids), and neither can this check; capture with sdpa"
             )
-        if not bool(attention_mask.all()):
+        pattern = (batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
+        if not _is_plain_causal(kwargs.get("mask_function"), *pattern):
+            raise _refuse(
+                "this forward needs an explicit mask (packed sequences in position_ids, a "
+                "bidirectional or custom mask pattern); only plain causal attention is supported"
+            )
+    if attention_mask is not None:  # transformers' 2-D padding mask, as booleans
+        if _capturing():
+            raise _refuse(
+                "under CUDA-graph capture pass attention_mask=None: whether it pads cannot be "
+                "checked there"
+            )
+        if not bool(attention_mask.all()):  # under torch.compile: a graph break
             raise _refuse(
                 "attention_mask has padded positions (zeros); padding is not supported, so batch "
                 "sequences of equal length or pass attention_mask=None"
