@@ -35,6 +35,7 @@ def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
             ["profile", *tiny, "--preset", "eager", "--steps", "1", "--warmup", "1"],
             ["attention", "--head-dim", "16", "--seq-len", "32", "--passes", "2"],
             ["precision"],
+            ["llama", "--quick", "--warmup", "0", "--reps", "1"],
         ]
     presets = ["--preset", "eager", "compiled", "llmsys"]
     target = ["--context-length", "1024", "--batch-size", "4", "--dtype", "bf16"]
@@ -51,6 +52,7 @@ def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
         ["profile", "--size", "medium", *target, "--preset", "compiled", "llmsys"],
         ["attention", "--head-dim", "64", "128", "--seq-len", "1024", "4096", "16384"],
         ["precision"],
+        ["llama"],  # issue 12's 1.1B Hugging Face Llama: int8 inference, training
     ]  # fmt: skip
     if full:
         sizes = ["small", "medium", "large", "xl", "2.7B"]
@@ -91,6 +93,7 @@ SECTIONS = [
      lambda r: r.mode == "profile" and r.provider in ("wall", "gpu", "cpu-ops")),
     ("Attention (batch 8, one head, causal)", lambda r: r.kernel == "attention"),
     ("Precision", lambda r: r.kernel in ("accumulate", "autocast")),
+    ("Hugging Face Llama 1.1B (issue 12)", lambda r: r.kernel.startswith("llama/")),
 ]  # fmt: skip
 
 

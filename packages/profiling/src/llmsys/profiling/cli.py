@@ -5,6 +5,7 @@
     llmsys-bench profile --size small --out results/
     llmsys-bench attention
     llmsys-bench precision
+    llmsys-bench llama --quick
     llmsys-bench report results/ --out REPORT.md
 
 Every subcommand prints a Markdown table and writes ``<out>/<subcommand>.csv`` in the shared
@@ -29,6 +30,7 @@ SUBCOMMANDS = {
     "profile": "kernel_profile",
     "attention": "attention_sweep",
     "precision": "precision",
+    "llama": "llama",
     "report": "report",
 }
 

@@ -1,0 +1,106 @@
+"""``patch_gated_mlps``: tiny random Llama, Mistral and Qwen2 models patched in place against the
+stock model in float64 (logits and every parameter's gradient), and the refusals."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is an optional extra: llmsys-kernels-swiglu[transformers]"
+)
+
+from llmsys.kernels_swiglu import hf  # noqa: E402
+from llmsys.kernels_swiglu.hf import SwiGLUGatedMLP, patch_gated_mlps  # noqa: E402
+
+VOCAB, LAYERS = 97, 2
+# float32 against float64; on a GPU the float32 matmuls may run TF32 (cuBLAS defaults vary)
+TOL = {"cpu": 1e-5, "cuda": 1e-2}
+CONFIGS = {
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen2": transformers.Qwen2Config,
+}
+
+
+def tiny_model(family: str = "llama", **overrides):
+    sizes = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    config = CONFIGS[family](**(sizes | overrides))
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def logits_and_grads(model, ids, weight):
+    logits = model(ids).logits
+    (logits * weight.to(logits.dtype)).sum().backward()  # a random linear loss of the logits
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_patched_models_match_the_stock_model(family, device, monkeypatch):
+    stock = tiny_model(family).to(device, torch.float64)
+    ours = tiny_model(family).to(device)
+    ours.load_state_dict(stock.state_dict())
+    parameters = dict(ours.named_parameters())
+    assert patch_gated_mlps(ours) is ours
+
+    mlps = [m for m in ours.modules() if isinstance(m, SwiGLUGatedMLP)]
+    assert len(mlps) == LAYERS
+    # the same parameter objects under the same names: optimizers and checkpoints see no change
+    assert dict(ours.named_parameters()) == parameters
+    calls, swiglu = [], hf.swiglu
+    monkeypatch.setattr(hf, "swiglu", lambda a, b: calls.append(a.shape) or swiglu(a, b))
+
+    ids = torch.randint(0, VOCAB, (2, 9), device=device)
+    weight = torch.randn(2, 9, VOCAB, device=device)
+    logits, grads = logits_and_grads(ours, ids, weight)
+    want_logits, want_grads = logits_and_grads(stock, ids, weight)
+    assert calls == [(2, 9, 48)] * LAYERS
+    tol = TOL[torch.device(device).type]
+    assert torch.isfinite(logits).all() and relative_error(logits, want_logits) < tol
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), name
+        assert relative_error(grad, want_grads[name]) < tol, name
+
+
+def test_patching_twice_changes_nothing():
+    model = patch_gated_mlps(tiny_model())
+    mlps = [m for m in model.modules() if isinstance(m, SwiGLUGatedMLP)]
+    assert patch_gated_mlps(model) is model
+    assert [m for m in model.modules() if isinstance(m, SwiGLUGatedMLP)] == mlps
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "gelu_pytorch_tanh"])
+def test_other_activations_are_refused_and_nothing_is_patched(act):
+    model = tiny_model(hidden_act=act)
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"activation \w+; swiglu fuses SiLU only"):
+        patch_gated_mlps(model)
+    assert [type(m) for m in model.modules()] == before
+
+
+def test_swish_is_silu():
+    model = patch_gated_mlps(tiny_model(hidden_act="swish"))
+    assert sum(isinstance(m, SwiGLUGatedMLP) for m in model.modules()) == LAYERS
+
+
+def test_a_model_without_gated_mlps_is_refused():
+    with pytest.raises(ValueError, match=r"no gated MLP to patch \(looked for LlamaMLP"):
+        patch_gated_mlps(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match=r"`model` must be an nn\.Module"):
+        patch_gated_mlps("model")
+    mlp = tiny_model().model.layers[0].mlp
+    with pytest.raises(ValueError, match="is itself a gated MLP"):
+        patch_gated_mlps(mlp)

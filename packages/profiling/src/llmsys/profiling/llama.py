@@ -1,0 +1,371 @@
+"""Our kernels inside a Hugging Face Llama (issue 12's targets): random weights from a config.
+
+The model: hidden 2048, intermediate 5632, 16 layers, 16 heads, 4 KV heads, vocab 32000
+(transformers' LlamaForCausalLM, untied embeddings). Every case runs in this one process, the
+providers of a case side by side; times are medians of per-call CUDA-event times after warm-up.
+
+inference  float16, SDPA attention. ``fp16`` is the model as built; ``int8`` is a copy with
+           every linear swapped by ``llmsys.kernels_int8.quantize_linears`` (W8A8: weights per
+           output channel, activations per token). Prefill: 8 x 512 tokens, no cache, last
+           token's logits. Decode: one token for each of 8 sequences over a static KV cache
+           holding 512 tokens. Each eagerly and as one CUDA graph of the whole forward
+           (``cuda-graph``: captured after warm-up, replayed). Logits error on the prefill
+           batch: each model's against the float16 model and against the float32 model (the same
+           weights in float32), beside a float32 reference of the same W8A8 scheme (the int8
+           model's quantized weights; activations quantized in float32, the integer product in
+           float64).
+training   bf16 autocast over float32 weights, fused AdamW, a full step (forward, loss, backward,
+           optimizer). ``stock`` is SDPA attention and transformers' MLP; ``llmsys`` is the same
+           model after ``attn_implementation="llmsys_fa2"`` (llmsys.flash_attn2.hf) and
+           ``patch_gated_mlps`` (llmsys.kernels_swiglu.hf). Batches 4 x 2048 and 1 x 8192,
+           eagerly and under ``torch.compile``.
+
+Writes ``<out>/llama.csv`` (after every case, so a cut-off run keeps what it measured) and
+``<out>/llama.png`` (speed-ups, when matplotlib is installed). ``--quick`` runs a tiny Llama at
+tiny sizes, eagerly only on a CPU: a smoke test. Needs transformers.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import results
+from .options import non_negative_int, positive_int
+from .progress import progress
+from .training import free_device_memory, lm_loss, make_optimizer, synchronize
+
+HELP = "issue 12's 1.1B Hugging Face Llama: int8 inference and training with our kernels"
+LLAMA = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+)
+TINY = LLAMA | dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=64,
+)
+SIZES = {  # prefill (batch, tokens), decode (sequences, cached tokens), training (batch, tokens)
+    "full": dict(prefill=(8, 512), decode=(8, 512), train=[(4, 2048), (1, 8192)]),
+    "quick": dict(prefill=(2, 16), decode=(2, 16), train=[(2, 32)]),
+}
+PARTS = ("inference", "training")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--part", nargs="+", choices=PARTS, default=list(PARTS), help="what to run (both)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny Llama at tiny sizes (a smoke test)"
+    )
+    parser.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        help="training eagerly, under torch.compile, or both (default: both on CUDA, off on CPU)",
+    )
+    parser.add_argument(
+        "--compile-mode", default="default", help="torch.compile mode for training (default)"
+    )
+    parser.add_argument(
+        "--train-shape",
+        nargs="+",
+        help="training batches as BxT (default 4x2048 1x8192; --quick: 2x32)",
+    )
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="untimed calls per case (3)"
+    )
+    parser.add_argument("--reps", type=positive_int, default=20, help="timed calls per case (20)")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as error:
+        raise SystemExit(
+            "llmsys-bench llama needs transformers: pip install 'llmsys-profiling[transformers]'"
+        ) from error
+    return transformers
+
+
+def build_llama(sizes: dict, device, dtype: torch.dtype, attn: str = "sdpa") -> nn.Module:
+    """A LlamaForCausalLM with random weights, built on ``device`` in ``dtype``."""
+    transformers = _transformers()
+    config = transformers.LlamaConfig(**sizes)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn, dtype=dtype
+        )
+    return model
+
+
+def time_calls(fn: Callable[[], object], warmup: int, reps: int, device) -> list[float]:
+    """Milliseconds of each of ``reps`` calls after ``warmup`` untimed ones: CUDA events around
+    each call (calls issued back to back, so host gaps count), else the host clock."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    if torch.device(device).type != "cuda":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def cuda_graph(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured as one CUDA graph (after 3 warm-up calls on a side stream); its replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+class W8A8Reference(nn.Module):
+    """An ``Int8Linear``'s scheme in float32: ``x`` quantized per row in float32, the integer
+    product exact (float64), scaled by both scales; the layer's own int8 weight and scales."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.qweight, self.bias = layer.qweight, layer.bias
+        self.weight_scale = layer.weight_scale.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from llmsys.kernels_int8 import matmul_int8_reference, quantize_int8_perrow_reference
+
+        q, scale = quantize_int8_perrow_reference(x.reshape(-1, x.shape[-1]).float())
+        bias = None if self.bias is None else self.bias.float()
+        out = matmul_int8_reference(q, scale, self.qweight.t(), self.weight_scale, bias)
+        return out.reshape(*x.shape[:-1], -1)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.double()
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+def _row(kernel, provider, mode, x, dtype, times, tokens, config, **extra) -> results.Row:
+    p20, p50, p80 = results.quantiles(times)
+    return results.Row(
+        kernel=kernel, provider=provider, mode=mode, x=x, dtype=dtype, p20=p20, p50=p50,
+        p80=p80, throughput=tokens / (p50 / 1e3), throughput_unit="tok/s", config=config,
+        **extra,
+    )  # fmt: skip
+
+
+def _with_speedups(rows: list[results.Row], baseline: str) -> list[results.Row]:
+    """Each row's speed-up over the ``baseline`` provider's row of the same case."""
+    base = {(r.kernel, r.mode, r.x): r.p50 for r in rows if r.provider == baseline}
+    for r in rows:
+        ms = base.get((r.kernel, r.mode, r.x))
+        r.speedup_vs_baseline = ms / r.p50 if ms and not math.isnan(r.p50) else None
+    return rows
+
+
+def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
+    """fp16 vs int8 (quantize_linears): prefill and decode, eager and CUDA graph; logits error."""
+    from llmsys.kernels_int8 import quantize_linears
+
+    transformers = _transformers()
+    device, on_cuda = args.device, torch.device(args.device).type == "cuda"
+    fp16 = build_llama(sizes, device, torch.float16).eval()
+    models = {"fp16": fp16, "int8": quantize_linears(copy.deepcopy(fp16))}
+    params = sum(p.numel() for p in fp16.parameters())
+    batch, tokens = shapes["prefill"]
+    seqs, cached = shapes["decode"]
+    prompt = torch.randint(0, sizes["vocab_size"], (batch, tokens), device=device)
+    history = torch.randint(0, sizes["vocab_size"], (seqs, cached), device=device)
+    steps = 3 * (args.warmup + args.reps) + 8  # every decode call adds a token to the cache
+    modes = ["eager", "cuda-graph"] if on_cuda else ["eager"]
+    cases = [(p, n, m) for p in ("prefill", "decode") for n in models for m in modes]
+    caches = {}
+
+    def call(phase: str, name: str) -> Callable[[], object]:
+        model = models[name]
+        if phase == "prefill":
+            return lambda: model(prompt, use_cache=False, logits_to_keep=1)
+        if name not in caches:  # prefilled once; each step then writes the next slot
+            caches[name] = transformers.StaticCache(
+                config=model.config, max_cache_len=cached + steps
+            )
+            model(history, past_key_values=caches[name], use_cache=True)
+        token = history[:, -1:]
+        return lambda: model(token, past_key_values=caches[name], use_cache=True)
+
+    label = f"{params / 1e9:.2f}B params, {sizes['num_hidden_layers']} layers"
+    for phase, name, mode in progress(cases, "llama inference", lambda c: " ".join(c)):
+        x = f"{batch}x{tokens}" if phase == "prefill" else f"{seqs} seqs, cache {cached}"
+        settings = f"{label}; warmup={args.warmup} reps={args.reps}"
+        with torch.no_grad():
+            fn = call(phase, name)
+            try:
+                fn = cuda_graph(fn) if mode == "cuda-graph" else fn
+                times = time_calls(fn, args.warmup, args.reps, device)
+            except Exception as error:  # a provider that cannot be captured is a result too
+                if on_cuda:
+                    torch.cuda.synchronize()
+                times, settings = [math.nan], f"failed: {type(error).__name__}: {error}"[:300]
+        done = batch * tokens if phase == "prefill" else seqs
+        emit(_row(f"llama/{phase}", name, mode, x, "float16", times, done, settings))
+    caches.clear()
+
+    with torch.no_grad():  # logits error on the prefill batch
+        fp32 = copy.deepcopy(fp16).float()
+        want = fp32(prompt, use_cache=False).logits
+        reference = fp32
+        for module_name, module in list(models["int8"].named_modules()):
+            if type(module).__name__ == "Int8Linear":
+                parent, _, child = module_name.rpartition(".")
+                setattr(reference.get_submodule(parent), child, W8A8Reference(module))
+        logits = {
+            "fp16": fp16(prompt, use_cache=False).logits,
+            "int8": models["int8"](prompt, use_cache=False).logits,
+            "w8a8-reference-fp32": reference(prompt, use_cache=False).logits,
+        }
+        del fp32, reference
+    for name, got in logits.items():
+        versus_fp16 = relative_error(got, logits["fp16"])
+        emit(
+            results.Row(
+                kernel="llama/logits-error", provider=name, mode="prefill",
+                x=f"{batch}x{tokens}", dtype="float16" if name != "w8a8-reference-fp32"
+                else "float32", p20=math.nan, p50=math.nan, p80=math.nan, unit="",
+                throughput=versus_fp16, throughput_unit="rel err vs fp16",
+                config=f"rel err vs fp32 model {relative_error(got, want):.4g}; vs the W8A8 "
+                f"reference {relative_error(got, logits['w8a8-reference-fp32']):.4g}",
+            )
+        )  # fmt: skip
+
+
+def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -> None:
+    """stock vs llmsys (our attention + SwiGLU), bf16 autocast train steps, eager / compiled."""
+    from llmsys.flash_attn2.hf import register
+    from llmsys.kernels_swiglu.hf import patch_gated_mlps
+
+    device, on_cuda = args.device, torch.device(args.device).type == "cuda"
+    compile_choice = args.compile or ("both" if on_cuda else "off")
+    compiled = {"off": [False], "on": [True], "both": [False, True]}[compile_choice]
+    stock = build_llama(sizes, device, torch.float32).train()
+    ours = copy.deepcopy(stock)  # the same weights, then our attention and SwiGLU
+    ours.set_attn_implementation(register())
+    models = {"stock": stock, "llmsys": patch_gated_mlps(ours)}
+    params = sum(p.numel() for p in stock.parameters())
+    # eager pairs first, compiled ones last: a run cut off early still compares like with like
+    cases = [(p, s, c) for c in compiled for s in shapes for p in models]
+    for provider, (batch, tokens), use_compile in progress(
+        cases, "llama training", lambda c: f"{c[0]} {c[1][0]}x{c[1][1]} compile={c[2]}"
+    ):
+        model = models[provider]
+        torch._dynamo.reset()
+        call = torch.compile(model, mode=args.compile_mode) if use_compile else model
+        optimizer = make_optimizer(model)
+        data = torch.randint(0, sizes["vocab_size"], (batch, tokens + 1), device=device)
+
+        def step():
+            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                logits = call(data[:, :-1], use_cache=False).logits
+            lm_loss(logits, data[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        mode = f"compiled/{args.compile_mode}" if use_compile else "eager"
+        settings = (
+            f"{params / 1e9:.2f}B params; bf16 autocast, fused AdamW; warmup={args.warmup} "
+            f"reps={args.reps}"
+        )
+        try:
+            times = time_calls(step, args.warmup, args.reps, device)
+            memory = torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None
+        except torch.OutOfMemoryError:
+            times, settings, memory = [math.nan], "OOM", None
+        optimizer = call = step = None  # free the optimizer state and compiled graphs
+        free_device_memory(device)
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        row = _row("llama/train-step", provider, mode, f"{batch}x{tokens}", "bf16", times,
+                   batch * tokens, settings, memory_gib=memory)  # fmt: skip
+        emit(row)
+
+
+def plot(rows: list[results.Row], path: Path) -> Path:
+    """Speed-ups over the baseline provider, one bar per case: inference, then training."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
+
+    panels = [("int8 over fp16 (inference)", "int8"), ("llmsys over stock (training)", "llmsys")]
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    for ax, (title, provider) in zip(fig.subplots(1, 2), panels, strict=True):
+        shown = [r for r in rows if r.provider == provider and r.speedup_vs_baseline]
+        labels = [f"{r.kernel.split('/')[1]}\n{r.x}\n{r.mode}" for r in shown]
+        speedups = [r.speedup_vs_baseline for r in shown]
+        ax.bar(range(len(shown)), speedups, color=["C2" if s >= 1 else "C3" for s in speedups])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shown)), labels, fontsize="small")
+        ax.set(title=title, ylabel="speed-up (median time ratio)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def run(args) -> list[results.Row]:
+    sizes = TINY if args.quick else LLAMA
+    shapes = dict(SIZES["quick" if args.quick else "full"])
+    if args.train_shape:
+        shapes["train"] = [tuple(int(n) for n in s.lower().split("x")) for s in args.train_shape]
+    gpu, stamp = results.device_name(args.device), results.timestamp()
+    version = f"torch {torch.__version__}, transformers {_transformers().__version__}"
+    rows: list[results.Row] = []
+    out = Path(args.out)
+
+    def emit(row: results.Row) -> None:
+        row.gpu, row.timestamp, row.version = gpu, stamp, version
+        rows.append(row)
+        results.write_csv(rows, out / "llama.csv")
+
+    torch.manual_seed(0)
+    if "inference" in args.part:
+        inference(args, sizes, shapes, emit)
+        free_device_memory(args.device)
+    if "training" in args.part:
+        training(args, sizes, shapes["train"], emit)
+    _with_speedups([r for r in rows if r.kernel in ("llama/prefill", "llama/decode")], "fp16")
+    _with_speedups([r for r in rows if r.kernel == "llama/train-step"], "stock")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("llama: matplotlib is not installed; no plot")
+    else:
+        print(f"wrote {plot(rows, out / 'llama.png')}")
+    return rows

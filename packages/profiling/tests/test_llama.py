@@ -1,0 +1,72 @@
+"""`llmsys-bench llama --quick` on the CPU: a tiny Hugging Face Llama through every case that runs
+without CUDA (int8 inference against fp16, its logits error, training with our attention and
+SwiGLU against stock), its CSV and its plot."""
+
+import math
+
+import pytest
+
+from llmsys.profiling import cli, llama, results
+
+pytest.importorskip(
+    "transformers", reason="transformers is an optional extra: llmsys-profiling[transformers]"
+)
+
+
+def test_quick_run_writes_every_case_its_errors_and_a_plot(tmp_path, capsys):
+    argv = ["llama", "--quick", "--device", "cpu", "--warmup", "0", "--reps", "1"]
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 0
+    rows = results.read_rows(tmp_path / "llama.csv")
+    timed = {(r.kernel, r.provider, r.mode, r.x): r for r in rows if r.unit == "ms"}
+    assert set(timed) == {
+        ("llama/prefill", "fp16", "eager", "2x16"),
+        ("llama/prefill", "int8", "eager", "2x16"),
+        ("llama/decode", "fp16", "eager", "2 seqs, cache 16"),
+        ("llama/decode", "int8", "eager", "2 seqs, cache 16"),
+        ("llama/train-step", "stock", "eager", "2x32"),
+        ("llama/train-step", "llmsys", "eager", "2x32"),
+    }
+    for row in timed.values():
+        assert row.p50 > 0 and row.throughput > 0, row
+        base = "stock" if row.kernel == "llama/train-step" else "fp16"
+        baseline = timed[(row.kernel, base, row.mode, row.x)]
+        assert row.speedup_vs_baseline == pytest.approx(baseline.p50 / row.p50)
+    errors = {r.provider: r for r in rows if r.kernel == "llama/logits-error"}
+    assert set(errors) == {"fp16", "int8", "w8a8-reference-fp32"}
+    assert errors["fp16"].throughput == 0  # against itself
+    # W8A8 error against fp16 is the scheme's: the kernels' model and the float32 reference agree
+    int8, reference = errors["int8"].throughput, errors["w8a8-reference-fp32"].throughput
+    assert 0 < int8 < 0.1 and 0 < reference < 0.1 and math.isclose(int8, reference, rel_tol=0.5)
+    assert (tmp_path / "llama.png").stat().st_size > 0
+    assert "| llama/train-step |" in capsys.readouterr().out
+
+
+def test_the_readme_example_all_three_kernels_in_one_model():
+    """llmsys-flash-attn2's README: our attention and SwiGLU for training, then INT8 linears."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmsys.flash_attn2.hf import register
+    from llmsys.kernels_int8 import Int8Linear, quantize_linears
+    from llmsys.kernels_swiglu.hf import SwiGLUGatedMLP, patch_gated_mlps
+
+    config = LlamaConfig(**llama.TINY)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register())
+    stock = AutoModelForCausalLM.from_config(LlamaConfig(**llama.TINY), attn_implementation="sdpa")
+    stock.load_state_dict(model.state_dict())
+    patch_gated_mlps(model)
+    ids = torch.randint(0, config.vocab_size, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+    model = quantize_linears(model.half().eval())
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * 2 + 1  # + lm_head
+    assert sum(isinstance(m, SwiGLUGatedMLP) for m in model.modules()) == 2
+    with torch.no_grad():
+        got = model(ids).logits.float()
+        want = stock.double()(ids).logits
+        tokens = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert llama.relative_error(got, want) < 0.1  # W8A8's error, not a broken model
+    assert tokens.shape == (2, 15) and torch.equal(tokens[:, :12], ids)
