@@ -15,7 +15,7 @@ from .fsdp import FSDP
 from .process_group import init_distributed, local_device, rank_and_world_size
 from .wrappers import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FSDP",
