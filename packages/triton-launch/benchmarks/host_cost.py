@@ -38,6 +38,7 @@ from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.kernels import swiglu_fwd_kernel
 from llmsys.triton_launch import launch
 
+_keep_alive: list = []
 QWEN_GEMMS = ((2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048))  # (K, N)
 
 
@@ -116,6 +117,7 @@ def alternatives() -> dict:
     """name -> callable(a, b), each registered under the namespace llmsys_alt."""
     found = {"kernel[grid], no op": _jit_impl, "llmsys launch, no op": _launch_impl}
     lib = torch.library.Library("llmsys_alt", "FRAGMENT")
+    _keep_alive.append(lib)  # a Library's ops are deregistered when it is collected
     lib.define("lean(Tensor a, Tensor b) -> Tensor")
     for device in ("CPU", "CUDA"):
         lib.impl("lean", _launch_impl, device)
