@@ -44,7 +44,8 @@ QWEN_GEMMS = ((2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048))  # (K, N
 
 def host_us(fn, calls: int = 50, repeats: int = 21) -> float:
     """Median host microseconds per call over loops of ``calls`` calls with no synchronize."""
-    fn()
+    for _ in range(calls):  # warm up the host too (caches, clocks), not only the kernels
+        fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
