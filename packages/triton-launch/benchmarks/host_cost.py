@@ -2,6 +2,7 @@
 
     python packages/triton-launch/benchmarks/host_cost.py [--out DIR]
 
+(with every package's src/ and tools/ on PYTHONPATH).
 Needs a CUDA GPU. Three kinds of rows, all medians over repeats, in one process:
 
 - ``host``: host microseconds per call, a loop of calls with no synchronize (the table of
@@ -37,24 +38,16 @@ from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.kernels import swiglu_fwd_kernel
 from llmsys.triton_launch import launch
+from llmsys_bench.harness import host_us_per_call
 
 _keep_alive: list = []
 QWEN_GEMMS = ((2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048))  # (K, N)
 
 
-def host_us(fn, calls: int = 50, repeats: int = 21) -> float:
-    """Median host microseconds per call over loops of ``calls`` calls with no synchronize."""
-    for _ in range(calls):  # warm up the host too (caches, clocks), not only the kernels
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+def host_us(fn) -> float:
+    """Median host microseconds per call over loops of 50 calls with no synchronize (50: the
+    largest GEMMs here must not fill the launch queue and turn the loop GPU-bound)."""
+    return host_us_per_call(fn, calls=50, repeats=21)
 
 
 def wall_us(fn, calls: int = 50, repeats: int = 21) -> float:
