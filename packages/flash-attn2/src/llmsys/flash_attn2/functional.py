@@ -19,6 +19,11 @@ def _check_arguments(op: str, q, k, v, causal, scale, causal_name: str) -> None:
     check_causal_and_scale(op, causal, scale, causal_name)
 
 
+def _default_scale(q: torch.Tensor) -> float:
+    """``1 / sqrt(head_dim)``; 1.0 where q has no head dim yet (the op then names the error)."""
+    return 1.0 / math.sqrt(q.shape[-1]) if q.dim() and q.shape[-1] else 1.0
+
+
 class FlashAttention2Triton(torch.autograd.Function):
     """FlashAttention-2 with a fused Triton forward and a deterministic Triton backward.
 
@@ -34,7 +39,7 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None):
         _check_arguments("FlashAttention2Triton", q, k, v, is_causal, scale, "is_causal")
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        scale = _default_scale(q) if scale is None else float(scale)
         out, lse = ops.flash_attn2_fwd(q, k, v, is_causal, scale)
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal, ctx.scale = is_causal, scale
