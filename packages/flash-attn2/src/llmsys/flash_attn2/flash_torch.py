@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from llmsys.triton_launch import checks
+
 from .reference import MASKED_SCORE
 
 Q_TILE = 64  # query rows per tile (the issue asks for at least 16)
@@ -131,21 +133,13 @@ def flash_backward_torch(
 def check_torch_inputs(q, k, v, is_causal, scale, op: str = "FlashAttention2Torch") -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in TORCH_DTYPES:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in TORCH_DTYPES)
-            raise TypeError(f"{op}: `{name}` must have dtype in ({allowed}), got {t.dtype}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{op}: `{name}` must have the dtype of `q` ({q.dtype}), got {t.dtype}")
+        checks.tensor(op, name, t, TORCH_DTYPES)
+        checks.same_dtype(op, name, t, "q", q)
         if t.dim() < 2:
             raise ValueError(
                 f"{op}: `{name}` must be (..., seq, head_dim), got shape {tuple(t.shape)}"
             )
-        if t.device != q.device:
-            raise ValueError(
-                f"{op}: `{name}` must be on the device of `q` ({q.device}), got {t.device}"
-            )
+        checks.same_device(op, name, t, "q", q)
     if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"{op}: `k` must be (..., n_keys, d) with the leading dims and d of `q` "

@@ -6,7 +6,22 @@ import math
 
 import torch
 
+from llmsys.triton_launch import checks
+
 from . import ops
+from .flash_torch import check_causal_and_scale
+
+
+def _check_arguments(op: str, q, k, v, causal, scale, causal_name: str) -> None:
+    """What the dispatcher would reject before the op could name the argument; the op checks
+    the rest (shapes, dtypes, devices) once, in ``ops.check_inputs``."""
+    checks.tensors(op, q=q, k=k, v=v)
+    check_causal_and_scale(op, causal, scale, causal_name)
+
+
+def _default_scale(q: torch.Tensor) -> float:
+    """``1 / sqrt(head_dim)``; 1.0 where q has no head dim yet (the op then names the error)."""
+    return 1.0 / math.sqrt(q.shape[-1]) if q.dim() and q.shape[-1] else 1.0
 
 
 class FlashAttention2Triton(torch.autograd.Function):
@@ -17,15 +32,15 @@ class FlashAttention2Triton(torch.autograd.Function):
 
     The forward saves exactly one log-sum-exp tensor ``L`` of shape ``q.shape[:-1]`` (float32,
     natural log) together with q, k, v and the output; the backward recomputes P tile by tile
-    from L: a ``D = rowsum(dO * O)`` kernel, a dK/dV kernel and a dQ kernel, no atomics, so two
-    backward runs give bitwise-identical gradients.
+    from L in two kernels: dQ (which also writes ``D = rowsum(dO * O)``), then dK/dV, no
+    atomics, so two backward runs give bitwise-identical gradients.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False, scale=None):
-        ops.check_inputs("FlashAttention2Triton", q, k, v, is_causal, scale, "is_causal")
-        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        out, lse = ops.attention_forward(q, k, v, is_causal, scale)
+        _check_arguments("FlashAttention2Triton", q, k, v, is_causal, scale, "is_causal")
+        scale = _default_scale(q) if scale is None else float(scale)
+        out, lse = ops.flash_attn2_fwd(q, k, v, is_causal, scale)
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out
@@ -33,7 +48,7 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = ops.attention_backward(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale)
+        dq, dk, dv = ops.flash_attn2_bwd(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -80,5 +95,5 @@ def flash_attention(
             differs from q's.
         ValueError: shapes, head counts, head dims (above 256) or devices do not fit.
     """
-    ops.check_inputs("flash_attention", q, k, v, causal, scale)  # errors in this call's names
+    _check_arguments("flash_attention", q, k, v, causal, scale, "causal")
     return FlashAttention2Triton.apply(q, k, v, causal, scale)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmsys.triton_launch import checks
+
 from .functional import flash_attention
 
 
@@ -34,10 +36,7 @@ class FlashSelfAttention(nn.Module):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"FlashSelfAttention: `{name}` must be a positive int, got {value!r}"
-                )
+            checks.positive_int("FlashSelfAttention", name, value)
         if d_model % n_heads:
             raise ValueError(
                 f"FlashSelfAttention: `n_heads` ({n_heads}) must divide `d_model` ({d_model})"

@@ -1,13 +1,16 @@
 """Launchers, tile configurations and the ``torch.ops.llmsys.flash_attn2_*`` registrations.
 
-Two ops, registered with a lean ``torch.library.Library`` plus fake implementations, so that
-``torch.compile(fullgraph=True)`` sees them as opaque calls:
+Two ops, registered and launched the way every llmsys kernel package does it
+(``llmsys.triton_launch``), so that ``torch.compile(fullgraph=True)`` sees them as opaque calls
+and CUDA graphs capture their launches:
 
     flash_attn2_fwd(q, k, v, causal, scale) -> (out, lse)
     flash_attn2_bwd(grad_out, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
 
 q is ``(B, N_q, d)`` or ``(B, H, N_q, d)``; k and v ``(B, N_k, d)`` or ``(B, H_kv, N_k, d)``.
-The ops themselves are not differentiable: ``flash_attention`` (functional.py) is.
+The ops themselves are not differentiable: ``flash_attention`` (functional.py) is. The ops
+check their arguments (``check_inputs``); the public functions check only what the dispatcher
+would reject before them (non-tensors), so each call validates once.
 CUDA tensors run the Triton kernels; CPU tensors run them under ``TRITON_INTERPRET=1`` and
 otherwise fall back to the plain-PyTorch FlashAttention-2 of ``flash_torch``.
 """
@@ -20,7 +23,7 @@ import math
 import torch
 import triton
 
-from llmsys.triton_launch import launch, runs_under_interpreter
+from llmsys.triton_launch import checks, define_op, launch, runs_under_interpreter
 
 from . import kernels
 from .flash_torch import check_causal_and_scale, flash_backward_torch, flash_forward_torch
@@ -33,15 +36,6 @@ DOT_PRECISION = "tf32"
 # A positive scale is folded into one FMA per score in the forward (kernels._fwd_inner).
 FOLD_SCALE = True
 
-_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-_lib.define(
-    "flash_attn2_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)"
-)
-_lib.define(
-    "flash_attn2_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "bool causal, float scale) -> (Tensor, Tensor, Tensor)"
-)
-
 # Under TRITON_INTERPRET=1 the kernels run on CPU tensors.
 CPU_RUNS_TRITON = runs_under_interpreter(kernels.attn_fwd_kernel)
 
@@ -52,17 +46,9 @@ CPU_RUNS_TRITON = runs_under_interpreter(kernels.attn_fwd_kernel)
 def check_inputs(op: str, q, k, v, causal, scale, causal_name: str = "causal") -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the ops."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-            raise TypeError(f"{op}: `{name}` must have dtype in ({allowed}), got {t.dtype}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{op}: `{name}` must have the dtype of `q` ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(
-                f"{op}: `{name}` must be on the device of `q` ({q.device}), got {t.device}"
-            )
+        checks.tensor(op, name, t, SUPPORTED_DTYPES)
+        checks.same_dtype(op, name, t, "q", q)
+        checks.same_device(op, name, t, "q", q)
     if q.dim() not in (3, 4):
         raise ValueError(
             f"{op}: `q` must be 3-D (batch, seq, head_dim) or 4-D (batch, heads, seq, head_dim), "
@@ -91,8 +77,7 @@ def check_inputs(op: str, q, k, v, causal, scale, causal_name: str = "causal") -
 
 
 def check_grad_out(op: str, grad_out, out) -> None:
-    if not isinstance(grad_out, torch.Tensor):
-        raise TypeError(f"{op}: `grad_out` must be a torch.Tensor, got {type(grad_out).__name__}")
+    checks.tensor(op, "grad_out", grad_out)
     if grad_out.shape != out.shape:
         raise ValueError(
             f"{op}: `grad_out` must have the shape of `out` {tuple(out.shape)}, "
@@ -342,47 +327,29 @@ def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> Non
 # --- registration --------------------------------------------------------------------------------
 
 
-@torch.library.register_fake(f"{NAMESPACE}::flash_attn2_fwd", lib=_lib)
 def _fwd_fake(q, k, v, causal, scale):
     check_inputs("flash_attn2_fwd", q, k, v, causal, scale)
     out = q.new_empty(q.shape)  # contiguous
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::flash_attn2_bwd", lib=_lib)
 def _bwd_fake(grad_out, q, k, v, out, lse, causal, scale):
     check_inputs("flash_attn2_bwd", q, k, v, causal, scale)
     check_grad_out("flash_attn2_bwd", grad_out, out)
     return tuple(t.new_empty(t.shape) for t in (q, k, v))
 
 
-for _device in ("CPU", "CUDA"):
-    _lib.impl("flash_attn2_fwd", flash_attn2_fwd_impl, _device)
-    _lib.impl("flash_attn2_bwd", flash_attn2_bwd_impl, _device)
-
-
-def _direct_call_ok(*tensors: torch.Tensor) -> bool:
-    """True when an impl may be called without a trip through the dispatcher.
-
-    Only for plain tensors outside ``torch.compile`` and with no dispatch mode (fake, functional,
-    a test's recorder) that would want to see the op.
-    """
-    return (
-        not torch.compiler.is_compiling()
-        and all(type(t) is torch.Tensor for t in tensors)
-        and not torch._C._len_torch_dispatch_stack()
-    )
-
-
-def attention_forward(q, k, v, causal: bool, scale: float):
-    """``(out, lse)`` through the registered op (or straight to its impl when that is safe)."""
-    if _direct_call_ok(q, k, v):
-        return flash_attn2_fwd_impl(q, k, v, causal, scale)
-    return torch.ops.llmsys.flash_attn2_fwd(q, k, v, causal, scale)
-
-
-def attention_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
-    """``(dq, dk, dv)`` through the registered op (or straight to its impl)."""
-    if _direct_call_ok(grad_out, q, k, v, out, lse):
-        return flash_attn2_bwd_impl(grad_out, q, k, v, out, lse, causal, scale)
-    return torch.ops.llmsys.flash_attn2_bwd(grad_out, q, k, v, out, lse, causal, scale)
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+flash_attn2_fwd = define_op(
+    _lib,
+    "flash_attn2_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
+    flash_attn2_fwd_impl,
+    _fwd_fake,
+)
+flash_attn2_bwd = define_op(
+    _lib,
+    "flash_attn2_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "bool causal, float scale) -> (Tensor, Tensor, Tensor)",
+    flash_attn2_bwd_impl,
+    _bwd_fake,
+)

@@ -1,37 +1,25 @@
-"""The public functions: quantize per row or column, multiply in int8, or both at once."""
+"""The public functions: quantize per row or column, multiply in int8, or both at once; and the
+ops' autograd, which is none: inference-only."""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
+from llmsys.triton_launch import checks, register_autograd
+
 from . import ops  # registers torch.ops.llmsys.int8_*
 
-
-def _require_tensors(op: str, optional: tuple[str, ...] = (), **values) -> None:
-    # The dispatcher's own schema error (a RuntimeError naming no argument) would come first.
-    for name, value in values.items():
-        if not isinstance(value, torch.Tensor) and not (value is None and name in optional):
-            raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
-
-
-def _direct(*tensors: torch.Tensor | None) -> bool:
-    """Whether to call the implementation in ops.py directly instead of through
-    ``torch.ops.llmsys``: in eager mode (not tracing for torch.compile), with no torch-function
-    or dispatch mode active, on plain tensors. The dispatcher's round trip through Python (its
-    Autograd kernel, then the device kernel) was most of a decode call's host cost
-    (benchmarks/NOTES.md); tracing, modes and tensor subclasses still see the registered ops."""
-    return (
-        not torch.compiler.is_compiling()
-        and not torch._C._is_torch_function_mode_enabled()
-        and not torch._C._len_torch_dispatch_stack()
-        and all(t is None or type(t) is torch.Tensor for t in tensors)
+# The quantizer's outputs never require grad; the GEMM refuses inputs that want a gradient.
+register_autograd(ops._lib, ops.int8_quantize_perrow)
+for _op in (ops.int8_matmul, ops.int8_matmul_out):
+    register_autograd(
+        ops._lib, _op, refuse=partial(ops.inference_only_error, f"torch.ops.{_op._schema.name}")
     )
-
-
-def _wants_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+# The dispatcher's own schema error for a non-tensor is a RuntimeError that names no argument:
+# the public functions check argument types first (checks.tensors).
 
 
 def quantize_int8_perrow(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,9 +40,7 @@ def quantize_int8_perrow(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         TypeError: ``x`` is not a tensor or not float16/bfloat16/float32.
         ValueError: ``x`` is not 2-D.
     """
-    _require_tensors("quantize_int8_perrow", x=x)
-    if _direct(x):
-        return ops.quantize(x)
+    checks.tensors("quantize_int8_perrow", x=x)
     return torch.ops.llmsys.int8_quantize_perrow(x)
 
 
@@ -74,7 +60,7 @@ def quantize_int8(weight: torch.Tensor, axis: int = 0) -> tuple[torch.Tensor, to
     For an ``nn.Linear`` weight (N, K), ``quantize_int8(linear.weight.t())`` gives the (K, N)
     operand ``y = x @ W.T`` needs (``Int8Linear.from_float`` does this).
     """
-    _require_tensors("quantize_int8", weight=weight)
+    checks.tensors("quantize_int8", weight=weight)
     if weight.dim() != 2:
         raise ValueError(f"quantize_int8: `weight` must be 2-D (K, N), got {tuple(weight.shape)}")
     if isinstance(axis, bool) or axis not in (0, 1, -1, -2):
@@ -117,7 +103,7 @@ def matmul_int8(
             that differ.
         RuntimeError: grad mode is on and a scale or the bias requires grad (inference-only).
     """
-    _require_tensors(
+    checks.tensors(
         "matmul_int8",
         ("out", "bias"),
         a=a,
@@ -127,13 +113,6 @@ def matmul_int8(
         out=out,
         bias=bias,
     )
-    if _direct(a, a_scale, b, b_scale, out, bias):
-        if _wants_grad(a_scale, b_scale, bias):
-            raise ops.inference_only_error("matmul_int8")
-        if out is None:
-            return ops.matmul(a, a_scale, b, b_scale, bias)
-        ops.matmul_out(a, a_scale, b, b_scale, bias, out)
-        return out
     if out is None:
         return torch.ops.llmsys.int8_matmul(a, a_scale, b, b_scale, bias)
     torch.ops.llmsys.int8_matmul_out(a, a_scale, b, b_scale, bias, out)
@@ -163,7 +142,7 @@ def matmul_quantize_int8(
             ``fpa`` of fewer than one dimension, and for ``out`` of the wrong shape.
         RuntimeError: grad mode is on and ``fpa`` requires grad (inference-only).
     """
-    _require_tensors("matmul_quantize_int8", ("out",), fpa=fpa, b=b, b_scale=b_scale, out=out)
+    checks.tensors("matmul_quantize_int8", ("out",), fpa=fpa, b=b, b_scale=b_scale, out=out)
     if fpa.dim() < 1:
         raise ValueError("matmul_quantize_int8: `fpa` must have a last dimension K, got a scalar")
     if torch.is_grad_enabled() and fpa.requires_grad:

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from llmsys.triton_launch import checks
+
 from . import ops
 from .functional import matmul_int8, quantize_int8_perrow
 
@@ -46,8 +48,7 @@ class Int8Linear(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Int8Linear: `{name}` must be a positive int, got {value!r}")
+            checks.positive_int("Int8Linear", name, value)
         if dtype not in ops.FLOAT_DTYPES:
             raise TypeError(
                 f"Int8Linear: `dtype` must be float16, bfloat16 or float32, got {dtype}"

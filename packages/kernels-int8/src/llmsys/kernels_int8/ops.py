@@ -5,11 +5,12 @@
     int8_matmul_out(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias,
                     Tensor(a!) out) -> ()
 
-The ops are registered with a lean ``torch.library.Library`` (define + impl + fake), so
-``torch.compile(fullgraph=True)`` sees them as single nodes. They are inference-only: the GEMM's
-Autograd-key kernel raises when grad mode is on and a scale or the bias requires grad; the
-quantizer's outputs never require grad (``q`` is integer, the scale is treated as a constant), so
-callers that quantize differentiable activations (functional.py, modules.py) raise themselves.
+Registered and launched the way every llmsys kernel package does it (``llmsys.triton_launch``),
+so ``torch.compile(fullgraph=True)`` sees them as single nodes and CUDA graphs capture them. They
+are inference-only: the GEMM's Autograd-key kernel (functional.py) raises when grad mode is on
+and a scale or the bias requires grad; the quantizer's outputs never require grad (``q`` is
+integer, the scale is treated as a constant), so callers that quantize differentiable
+activations (functional.py, modules.py) raise themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from contextlib import nullcontext
 
 import torch
 import triton
+
+from llmsys.triton_launch import checks, define_op, launch, runs_under_interpreter
 
 from . import tuning
 from .kernels import (
@@ -41,40 +44,16 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_K_PER_SPLIT = (2**31 - 1) // (128 * 128)  # 131071
 
 # Under TRITON_INTERPRET=1 `triton.jit` returns an interpreter object that runs on CPU tensors.
-CPU_RUNS_TRITON = type(quantize_int8_perrow_kernel).__name__ == "InterpretedFunction"
-
-_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-_lib.define("int8_quantize_perrow(Tensor x) -> (Tensor, Tensor)")
-_lib.define(
-    "int8_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias=None) -> Tensor"
-)
-_lib.define(
-    "int8_matmul_out(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias, "
-    "Tensor(a!) out) -> ()"
-)
+CPU_RUNS_TRITON = runs_under_interpreter(quantize_int8_perrow_kernel)
 
 
 # --- checks --------------------------------------------------------------------------------------
 
 
-def _names(dtypes) -> str:
-    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-
-
 def _check_tensor(op: str, name: str, t, dtypes, dim: int, shape_doc: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{op}: `{name}` must have dtype in ({_names(dtypes)}), got {t.dtype}")
+    checks.tensor(op, name, t, dtypes)
     if t.dim() != dim:
         raise ValueError(f"{op}: `{name}` must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
-
-
-def _check_device(op: str, name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
-    if t.device != ref.device:
-        raise ValueError(
-            f"{op}: `{name}` must be on the device of `a` ({ref.device}), got {t.device}"
-        )
 
 
 def check_quantize_input(x) -> None:
@@ -109,7 +88,7 @@ def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
             raise ValueError(f"{op}: `out` must have shape ({m}, {n}), got {tuple(out.shape)}")
         tensors["out"] = out
     for name, t in tensors.items():
-        _check_device(op, name, t, a)
+        checks.same_device(op, name, t, "a", a)
 
 
 # --- launchers -----------------------------------------------------------------------------------
@@ -128,22 +107,18 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k == 0:
         return q, scale.zero_()
     config = tuning.quantize_config(m, k)
-    with _on(x.device):
-        quantize_int8_perrow_kernel[(triton.cdiv(m, config.block_m),)](
-            x,
-            q,
-            scale,
-            m,
-            k,
-            x.stride(0),
-            x.stride(1),
-            q.stride(0),
-            BLOCK_M=config.block_m,
-            BLOCK_K=config.block_k,
-            ONE_PASS=config.one_pass,
-            USE_LIBDEVICE=x.is_cuda,
-            num_warps=config.num_warps,
-        )
+    launch(
+        quantize_int8_perrow_kernel,
+        triton.cdiv(m, config.block_m),
+        (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0)),
+        {
+            "BLOCK_M": config.block_m,
+            "BLOCK_K": config.block_k,
+            "ONE_PASS": config.one_pass,
+            "USE_LIBDEVICE": x.is_cuda,
+        },
+        num_warps=config.num_warps,
+    )
     return q, scale
 
 
@@ -206,30 +181,23 @@ def _launch_tma(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) 
         c_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2])
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     programs = min(tiles, sm_count(a.device))
-    perrow_w8a8_matmul_tma_kernel[(programs,)](
-        a_desc,
-        b_desc,
-        c_desc,
-        out,
-        a_scale,
-        b_scale,
-        bias if bias is not None else b_scale,
-        m,
-        n,
-        k,
+    launch(
+        perrow_w8a8_matmul_tma_kernel,
         programs,
-        out.stride(0),
-        out.stride(1),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        HAS_BIAS=bias is not None,
-        TMA_STORE=config.tma_store,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        (a_desc, b_desc, c_desc, out, a_scale, b_scale, bias if bias is not None else b_scale,
+         m, n, k, programs, out.stride(0), out.stride(1)),
+        {
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": config.block_k,
+            "GROUP_M": config.group_m,
+            "HAS_BIAS": bias is not None,
+            "TMA_STORE": config.tma_store,
+        },
+        config.num_warps,
+        config.num_stages,
         enable_fp_fusion=False,
-    )
+    )  # fmt: skip
 
 
 def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) -> None:
@@ -248,58 +216,40 @@ def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out
     else:
         target = torch.empty((splits, m, n), dtype=torch.int32, device=a.device)
         strides = (m * n, n, 1)
-    perrow_w8a8_matmul_kernel[(tiles, splits)](
-        a,
-        b,
-        target,
-        a_scale,
-        b_scale,
-        bias_arg,
-        m,
-        n,
-        k,
-        per_split,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        *strides,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        PARTIALS=splits > 1,
-        EVEN_K=k % config.block_k == 0,
-        HAS_BIAS=has_bias,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+    launch(
+        perrow_w8a8_matmul_kernel,
+        (tiles, splits),
+        (a, b, target, a_scale, b_scale, bias_arg, m, n, k, per_split,
+         a.stride(0), a.stride(1), b.stride(0), b.stride(1), *strides),
+        {
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": config.block_k,
+            "GROUP_M": config.group_m,
+            "PARTIALS": splits > 1,
+            "EVEN_K": k % config.block_k == 0,
+            "HAS_BIAS": has_bias,
+        },
+        config.num_warps,
+        config.num_stages,
         enable_fp_fusion=False,  # keep `* a_scale * b_scale + bias` as eager rounds it
-    )
+    )  # fmt: skip
     if splits > 1:
         block_m, block_n = 32, 128
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        splitk_epilogue_kernel[grid](
-            target,
-            out,
-            a_scale,
-            b_scale,
-            bias_arg,
-            m,
-            n,
-            splits,
-            m * n,
-            out.stride(0),
-            out.stride(1),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            HAS_BIAS=has_bias,
+        launch(
+            splitk_epilogue_kernel,
+            grid,
+            (target, out, a_scale, b_scale, bias_arg, m, n, splits, m * n,
+             out.stride(0), out.stride(1)),
+            {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": has_bias},
             num_warps=4,
             enable_fp_fusion=False,
-        )
+        )  # fmt: skip
 
 
 def _on(device: torch.device):
-    """Make ``device`` current for the launch, when it is not already (entering
+    """Make ``device`` current for the tuner's timing, when it is not already (entering
     ``torch.cuda.device`` costs microseconds on every call)."""
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
@@ -360,20 +310,17 @@ def matmul_out(a, a_scale, b, b_scale, bias, out) -> None:
 # --- registration --------------------------------------------------------------------------------
 
 
-@torch.library.register_fake(f"{NAMESPACE}::int8_quantize_perrow", lib=_lib)
 def _quantize_fake(x):
     check_quantize_input(x)
     q = x.new_empty(x.shape, dtype=torch.int8)
     return q, x.new_empty(x.shape[:1])
 
 
-@torch.library.register_fake(f"{NAMESPACE}::int8_matmul", lib=_lib)
 def _matmul_fake(a, a_scale, b, b_scale, bias=None):
     check_matmul_inputs(a, a_scale, b, b_scale, bias)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=a_scale.dtype)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::int8_matmul_out", lib=_lib)
 def _matmul_out_fake(a, a_scale, b, b_scale, bias, out):
     check_matmul_inputs(a, a_scale, b, b_scale, bias, out)
 
@@ -385,28 +332,20 @@ def inference_only_error(what: str) -> RuntimeError:
     )
 
 
-def _autograd_kernel(op_name: str, raises: bool):
-    """The Autograd-key kernel: raise if gradients are wanted (``raises``), else run below
-    autograd, which leaves the outputs not requiring grad."""
-    op = getattr(torch.ops.llmsys, op_name).default
-
-    def kernel(*args):
-        if (
-            raises
-            and torch.is_grad_enabled()
-            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
-        ):
-            raise inference_only_error(f"torch.ops.llmsys.{op_name}")
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-
-    return kernel
-
-
-for _device in ("CPU", "CUDA"):
-    _lib.impl("int8_quantize_perrow", quantize, _device)
-    _lib.impl("int8_matmul", matmul, _device)
-    _lib.impl("int8_matmul_out", matmul_out, _device)
-_lib.impl("int8_quantize_perrow", _autograd_kernel("int8_quantize_perrow", False), "Autograd")
-_lib.impl("int8_matmul", _autograd_kernel("int8_matmul", True), "Autograd")
-_lib.impl("int8_matmul_out", _autograd_kernel("int8_matmul_out", True), "Autograd")
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+int8_quantize_perrow = define_op(
+    _lib, "int8_quantize_perrow(Tensor x) -> (Tensor, Tensor)", quantize, _quantize_fake
+)
+int8_matmul = define_op(
+    _lib,
+    "int8_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias=None) -> Tensor",
+    matmul,
+    _matmul_fake,
+)
+int8_matmul_out = define_op(
+    _lib,
+    "int8_matmul_out(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias, "
+    "Tensor(a!) out) -> ()",
+    matmul_out,
+    _matmul_out_fake,
+)

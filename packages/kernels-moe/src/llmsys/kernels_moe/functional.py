@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from llmsys.triton_launch import checks
+
 from . import ops
-from .ops import _int
-
-
-def _plain_eager(t: torch.Tensor) -> bool:
-    """A plain tensor, outside torch.compile and any dispatch mode: calling the implementation
-    directly is then the same as calling the op, minus a trip through the dispatcher."""
-    return (
-        not torch.compiler.is_compiling()
-        and type(t) is torch.Tensor
-        and not torch._C._len_torch_dispatch_stack()
-    )
 
 
 class _PermuteFunction(torch.autograd.Function):
@@ -114,7 +105,7 @@ def padded_moe_permute(
     args = (x, top_experts, tokens_per_expert, num_experts, align, out_rows)
     ops.check_permute_inputs(*args)
     op = "padded_moe_permute"
-    _int(op, "topk", topk, 1)
+    checks.integer(op, "topk", topk, 1)
     if top_experts.shape[1] != topk:
         raise ValueError(
             f"{op}: `top_experts` must have topk={topk} columns, got shape "
@@ -124,8 +115,6 @@ def padded_moe_permute(
         raise ValueError(f"{op}: `topk` must be at most num_experts={num_experts}, got {topk}")
     if torch.is_grad_enabled() and x.requires_grad:
         out, padded, row_index = _PermuteFunction.apply(*args)
-    elif _plain_eager(x):
-        out, padded, row_index = ops.permute(*args)  # checked above: skip the dispatcher
     else:
         out, padded, row_index = torch.ops.llmsys.moe_permute.default(*args)
     return (out, padded, row_index) if return_row_index else (out, padded)
@@ -162,6 +151,4 @@ def moe_unpermute(
         needs_grad = needs_grad or routing_weights.requires_grad
     if torch.is_grad_enabled() and needs_grad:
         return _UnpermuteFunction.apply(expert_out, row_index, routing_weights)
-    if _plain_eager(expert_out):
-        return ops.unpermute(expert_out, row_index, routing_weights)
     return torch.ops.llmsys.moe_unpermute.default(expert_out, row_index, routing_weights)

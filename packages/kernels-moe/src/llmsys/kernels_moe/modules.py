@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmsys.kernels_swiglu import swiglu
+from llmsys.triton_launch import checks
 
 from .functional import moe_unpermute, padded_moe_permute
 
@@ -51,8 +52,7 @@ class MoEFeedForward(nn.Module):
             ("topk", topk),
             ("align", align),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MoEFeedForward: `{name}` must be a positive int, got {value!r}")
+            checks.positive_int("MoEFeedForward", name, value)
         if topk > num_experts:
             raise ValueError(
                 f"MoEFeedForward: `topk` must be at most num_experts={num_experts}, got {topk}"

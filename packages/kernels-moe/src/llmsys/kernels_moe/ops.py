@@ -1,6 +1,6 @@
 """Input checks, launch configurations, launchers and the ``torch.ops.llmsys.moe_*`` ops.
 
-The ops are registered with a lean ``torch.library.Library`` (define + CPU/CUDA impl + fake);
+Registered and launched the way every llmsys kernel package does it (``llmsys.triton_launch``);
 autograd lives in ``functional.py``. ``moe_permute`` with ``out_rows=None`` needs one host sync
 (the output's row count is data); that sync also brings back the validity of the routing, which
 the kernels compute for free. With ``out_rows`` nothing waits on the host and nothing
@@ -15,7 +15,7 @@ import functools
 import torch
 import triton.language as tl
 
-from llmsys.triton_launch import launch
+from llmsys.triton_launch import checks, define_op, launch, runs_under_interpreter
 
 from .kernels import (
     moe_count_kernel,
@@ -33,47 +33,22 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 MAX_ROWS = 2**31 - 1  # row_index is int32
 
-_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
-_lib.define(
-    "moe_permute(Tensor x, Tensor top_experts, Tensor tokens_per_expert, int num_experts, "
-    "int align=128, SymInt? out_rows=None) -> (Tensor, Tensor, Tensor)"
-)
-_lib.define("moe_unpermute(Tensor expert_out, Tensor row_index, Tensor? routing_weights) -> Tensor")
-_lib.define(
-    "moe_unpermute_backward(Tensor grad_y, Tensor expert_out, Tensor row_index, "
-    "Tensor? routing_weights, bool weights_grad) -> (Tensor, Tensor)"
-)
-
 # Under TRITON_INTERPRET=1 `triton.jit` returns an interpreter object that runs on CPU tensors.
-CPU_RUNS_TRITON = type(moe_permute_kernel).__name__ == "InterpretedFunction"
+CPU_RUNS_TRITON = runs_under_interpreter(moe_permute_kernel)
 
 
 # --- checks --------------------------------------------------------------------------------------
 
 
 def _tensor(op: str, name: str, t, dtypes: tuple, kind: str, dim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{op}: `{name}` must have {kind} dtype, got {t.dtype}")
+    checks.tensor(op, name, t, dtypes, kind)
     if t.dim() != dim:
         raise ValueError(f"{op}: `{name}` must have {dim} dimension(s), got shape {tuple(t.shape)}")
 
 
-def _int(op: str, name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{op}: `{name}` must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{op}: `{name}` must be at least {minimum}, got {value}")
-
-
 def _same_device(op: str, first: tuple[str, torch.Tensor], *others) -> None:
     for name, t in others:
-        if t is not None and t.device != first[1].device:
-            raise ValueError(
-                f"{op}: `{name}` must be on the device of `{first[0]}` ({first[1].device}), "
-                f"got {t.device}"
-            )
+        checks.same_device(op, name, t, *first)
 
 
 def check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, out_rows) -> None:
@@ -81,9 +56,9 @@ def check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, 
     op = "padded_moe_permute"
     _tensor(op, "x", x, FLOAT_DTYPES, "a floating", 2)
     _tensor(op, "top_experts", top_experts, INT_DTYPES, "an integer", 2)
-    _int(op, "num_experts", num_experts, 1)
+    checks.integer(op, "num_experts", num_experts, 1)
     _tensor(op, "tokens_per_expert", tokens_per_expert, INT_DTYPES, "an integer", 1)
-    _int(op, "align", align, 1)
+    checks.integer(op, "align", align, 1)
     num_tokens, topk = top_experts.shape
     if num_tokens != x.shape[0]:
         raise ValueError(
@@ -100,7 +75,7 @@ def check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, 
     )
     n_pairs = num_tokens * topk
     if out_rows is not None:
-        _int(op, "out_rows", out_rows, 0)
+        checks.integer(op, "out_rows", out_rows, 0)
         if out_rows < n_pairs:
             raise ValueError(
                 f"{op}: `out_rows` must be at least num_tokens * topk = {n_pairs} (every pair "
@@ -327,7 +302,6 @@ def _moe_permute(x, top_experts, tokens_per_expert, num_experts, align=128, out_
     return permute(x, top_experts, tokens_per_expert, num_experts, align, out_rows)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::moe_permute", lib=_lib)
 def _moe_permute_fake(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=None):
     check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, out_rows)
     if out_rows is None:
@@ -383,7 +357,6 @@ def _moe_unpermute(expert_out, row_index, routing_weights=None):
     return unpermute(expert_out, row_index, routing_weights)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::moe_unpermute", lib=_lib)
 def _moe_unpermute_fake(expert_out, row_index, routing_weights=None):
     check_unpermute_inputs(expert_out, row_index, routing_weights)
     return expert_out.new_empty((row_index.shape[0], expert_out.shape[1]))
@@ -456,7 +429,6 @@ def _moe_unpermute_backward(grad_y, expert_out, row_index, routing_weights, weig
     return grad_src, grad_weights
 
 
-@torch.library.register_fake(f"{NAMESPACE}::moe_unpermute_backward", lib=_lib)
 def _moe_unpermute_backward_fake(grad_y, expert_out, row_index, routing_weights, weights_grad):
     grad_src = torch.empty_like(expert_out, memory_format=torch.contiguous_format)
     if weights_grad:
@@ -464,7 +436,24 @@ def _moe_unpermute_backward_fake(grad_y, expert_out, row_index, routing_weights,
     return grad_src, grad_y.new_empty(0)
 
 
-for _device in ("CPU", "CUDA"):
-    _lib.impl("moe_permute", _moe_permute, _device)
-    _lib.impl("moe_unpermute", _moe_unpermute, _device)
-    _lib.impl("moe_unpermute_backward", _moe_unpermute_backward, _device)
+_lib = torch.library.Library(NAMESPACE, "FRAGMENT")
+moe_permute = define_op(
+    _lib,
+    "moe_permute(Tensor x, Tensor top_experts, Tensor tokens_per_expert, int num_experts, "
+    "int align=128, SymInt? out_rows=None) -> (Tensor, Tensor, Tensor)",
+    _moe_permute,
+    _moe_permute_fake,
+)
+moe_unpermute = define_op(
+    _lib,
+    "moe_unpermute(Tensor expert_out, Tensor row_index, Tensor? routing_weights) -> Tensor",
+    _moe_unpermute,
+    _moe_unpermute_fake,
+)
+moe_unpermute_backward = define_op(
+    _lib,
+    "moe_unpermute_backward(Tensor grad_y, Tensor expert_out, Tensor row_index, "
+    "Tensor? routing_weights, bool weights_grad) -> (Tensor, Tensor)",
+    _moe_unpermute_backward,
+    _moe_unpermute_backward_fake,
+)

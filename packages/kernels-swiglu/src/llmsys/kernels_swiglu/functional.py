@@ -1,10 +1,30 @@
-"""The public, differentiable SwiGLU function."""
+"""The public, differentiable SwiGLU function, and the autograd of ``swiglu_fwd``."""
 
 from __future__ import annotations
 
 import torch
 
+from llmsys.triton_launch import call_below_autograd, register_autograd
+
 from . import ops  # registers torch.ops.llm_scaling_week.*
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    """``swiglu_fwd`` forward; both gradients from one ``swiglu_bwd`` pass."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return call_below_autograd(ops.swiglu_fwd, a, b)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b = ctx.saved_tensors
+        return ops.swiglu_bwd(grad_out, a, b)
+
+
+# torch.ops.llm_scaling_week.swiglu_fwd itself is differentiable.
+register_autograd(ops._lib, ops.swiglu_fwd, _SwiGLUFunction)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -26,7 +46,8 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ValueError: the shapes or devices differ.
 
     Both gradients come from one Triton pass (``torch.ops.llm_scaling_week.swiglu_bwd``); the op
-    works under ``torch.compile(fullgraph=True)``. Double backward is not supported.
+    works under ``torch.compile(fullgraph=True)`` and in CUDA graphs. Double backward is not
+    supported.
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         ops.check_inputs("swiglu", a=a, b=b)  # a TypeError naming the argument

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmsys.triton_launch import checks
+
 from .functional import swiglu
 
 
@@ -22,10 +24,7 @@ class SwiGLUFeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, *, device=None, dtype=None) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_ff", d_ff)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"SwiGLUFeedForward: `{name}` must be a positive int, got {value!r}"
-                )
+            checks.positive_int("SwiGLUFeedForward", name, value)
         self.d_model, self.d_ff = d_model, d_ff
         factory = {"device": device, "dtype": dtype}
         self.w1 = nn.Linear(d_model, d_ff, bias=False, **factory)  # gate

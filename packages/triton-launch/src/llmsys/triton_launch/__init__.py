@@ -1,7 +1,20 @@
-"""Launch a compiled Triton kernel without ``JITFunction.run``'s per-call host cost."""
+"""One way to launch Triton kernels and register them as ``torch.ops``, shared by the kernel
+packages: ``launch`` (a compiled kernel without ``JITFunction.run``'s per-call host cost),
+``define_op`` and ``register_autograd`` (the op's registration), and ``checks`` (argument checks
+whose errors name the argument)."""
 
+from . import checks
 from .launcher import launch, runs_under_interpreter
+from .library import call_below_autograd, define_op, register_autograd
 
 __version__ = "0.2.0"
 
-__all__ = ["__version__", "launch", "runs_under_interpreter"]
+__all__ = [
+    "__version__",
+    "call_below_autograd",
+    "checks",
+    "define_op",
+    "launch",
+    "register_autograd",
+    "runs_under_interpreter",
+]

@@ -4,13 +4,21 @@
 specialization key and looks the kernel up on every call: about 10 us of host time on an H100
 host, as much as a small kernel's GPU time. Here the key is computed from what Triton
 specializes on (a pointer's dtype and 16-byte alignment; an integer's equality to 1,
-divisibility by 16 and width) and the compiled kernel is called through
-``CompiledKernel.run``, whose arguments have been the same from triton 3.4 to 3.9.
+divisibility by 16 and width; a tensor descriptor's dtype and block shape) and the compiled
+kernel is called through ``CompiledKernel.run``, whose arguments have been the same from
+triton 3.4 to 3.9. The launch enqueues on the current stream and never synchronizes, so it can
+be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+
+try:  # host-side tensor descriptors for the copy engine (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
 
 _compiled: dict[tuple, object] = {}
 
@@ -27,7 +35,14 @@ def _key(value) -> object:
         return value == 1, value % 16 == 0, -(2**31) <= value < 2**31
     if type(value) is float:  # floats are never specialized: one entry for every value
         return float
+    if TensorDescriptor is not None and type(value) is TensorDescriptor:
+        return TensorDescriptor, value.base.dtype, tuple(value.block_shape)
     return type(value), value
+
+
+def _device(first) -> int:
+    """The CUDA device index of the first argument (a tensor or a descriptor); -1 on CPU."""
+    return (first if isinstance(first, torch.Tensor) else first.base).get_device()
 
 
 def _check_order(kernel, args: tuple, constexprs: dict) -> None:
@@ -41,8 +56,6 @@ def _check_order(kernel, args: tuple, constexprs: dict) -> None:
 
 
 def _launch_hooks_installed() -> bool:
-    import triton
-
     hook = triton.knobs.runtime.launch_enter_hook  # a HookChain: never None, empty by default
     return bool(getattr(hook, "calls", hook))
 
@@ -54,18 +67,21 @@ def launch(
     constexprs: dict,
     num_warps: int = 4,
     num_stages: int | None = None,
+    **options,
 ) -> None:
-    """Run ``kernel[grid](*args, **constexprs, num_warps=.., num_stages=..)``, fast after the first.
+    """Run ``kernel[grid](*args, **constexprs, num_warps=.., num_stages=.., **options)``, fast
+    after the first call of each specialization.
 
     Args:
         kernel: a ``@triton.jit`` function.
         grid: the number of programs of a 1-D grid, or a tuple of up to three sizes; a size of 0
             launches nothing.
-        args: the kernel's runtime arguments in signature order; the first must be a tensor
-            (its device is the launch device).
+        args: the kernel's runtime arguments in signature order; the first must be a tensor or a
+            host tensor descriptor (its device is the launch device).
         constexprs: the ``tl.constexpr`` arguments that follow them, in signature order.
         num_warps: warps per program.
         num_stages: software-pipelining stages of the kernel's loops; None: Triton's default.
+        options: other compile options of ``kernel[grid]`` (``enable_fp_fusion=False``, ...).
 
     CPU tensors (under ``TRITON_INTERPRET=1``), a device other than the current one, and
     installed Triton launch hooks (profilers) take the ordinary launch.
@@ -75,7 +91,7 @@ def launch(
         raise ValueError(f"launch: `grid` must be an int or 1 to 3 ints, got {grid}")
     if 0 in grid:
         return
-    device = args[0].get_device()  # -1 on CPU
+    device = _device(args[0])
     if device < 0:  # CPU tensors: the interpreter (TRITON_INTERPRET=1)
         _check_order(kernel, args, constexprs)
         kernel[grid](*args, **constexprs)
@@ -92,12 +108,13 @@ def launch(
             for a in args
         ],
         *constexprs.values(),
+        *options.items(),
     )
     compiled = _compiled.get(key)
     if compiled is None or device != torch.cuda.current_device() or _launch_hooks_installed():
         # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
         _check_order(kernel, args, constexprs)
-        options = {"num_warps": num_warps}
+        options["num_warps"] = num_warps
         if num_stages is not None:
             options["num_stages"] = num_stages
         with torch.cuda.device(device):

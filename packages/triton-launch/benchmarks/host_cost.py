@@ -1,0 +1,347 @@
+"""Host cost per call of the kernel packages' ops beside what a user calls instead (issue 12).
+
+    python packages/triton-launch/benchmarks/host_cost.py [--out DIR]
+
+(with every package's src/ and tools/ on PYTHONPATH).
+Needs a CUDA GPU. Three kinds of rows, all medians over repeats, in one process:
+
+- ``host``: host microseconds per call, a loop of calls with no synchronize (the table of
+  issue 12), ours beside the eager or library call a user would make instead;
+- ``launch``: the same SwiGLU forward launched and registered in the alternative ways weighed
+  in ``DECISIONS.md`` (kernel[grid], llmsys launch, custom_op, triton_op + wrap_triton,
+  register_autograd);
+- ``wall`` and ``graph``: int8 at decode, the four Qwen2.5-3B layer GEMMs with activation
+  quantization at M = 1 and 16, back to back in eager mode (wall time per call) and replayed
+  from a CUDA graph, against fp16 ``x @ w.T``.
+
+Prints the table and writes it as ``host_cost_<gpu>.csv`` under DIR (default: results/ beside
+this file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from llmsys.flash_attn2 import flash_attention
+from llmsys.kernels_int8 import matmul_int8, matmul_quantize_int8, quantize_int8
+from llmsys.kernels_int8 import quantize_int8_perrow as quantize_rows
+from llmsys.kernels_moe import moe_unpermute, padded_moe_permute
+from llmsys.kernels_swiglu import ops as swiglu_ops
+from llmsys.kernels_swiglu import swiglu
+from llmsys.kernels_swiglu.kernels import swiglu_fwd_kernel
+from llmsys.triton_launch import launch
+from llmsys_bench.harness import host_us_per_call
+
+_keep_alive: list = []
+QWEN_GEMMS = ((2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048))  # (K, N)
+
+
+def host_us(fn) -> float:
+    """Median host microseconds per call over loops of 50 calls with no synchronize (50: the
+    largest GEMMs here must not fill the launch queue and turn the loop GPU-bound)."""
+    return host_us_per_call(fn, calls=50, repeats=21)
+
+
+def wall_us(fn, calls: int = 50, repeats: int = 21) -> float:
+    """Median wall microseconds per call of ``calls`` calls back to back, synchronized once."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def graph_us(fn, calls: int = 50, repeats: int = 21) -> float:
+    """Median wall microseconds per call of ``calls`` calls captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile and tune outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return wall_us(graph.replay, 1, repeats) / calls
+
+
+# --- the alternatives for one SwiGLU forward (DECISIONS.md) ---------------------------------------
+
+
+def _constexprs(block: int) -> dict:
+    return {"COMPUTE_DTYPE": triton.language.float32, "PRECISE": True, "BLOCK_SIZE": block}
+
+
+def _launch_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(a)
+    block, warps = swiglu_ops.launch_config(a.numel())
+    launch(
+        swiglu_fwd_kernel,
+        triton.cdiv(a.numel(), block),
+        (a, b, out, a.numel()),
+        _constexprs(block),
+        num_warps=warps,
+    )
+    return out
+
+
+def _jit_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(a)
+    block, warps = swiglu_ops.launch_config(a.numel())
+    swiglu_fwd_kernel[(triton.cdiv(a.numel(), block),)](
+        a, b, out, a.numel(), **_constexprs(block), num_warps=warps
+    )
+    return out
+
+
+def alternatives() -> dict:
+    """name -> callable(a, b), each registered under the namespace llmsys_alt."""
+    found = {"kernel[grid], no op": _jit_impl, "llmsys launch, no op": _launch_impl}
+    lib = torch.library.Library("llmsys_alt", "FRAGMENT")
+    _keep_alive.append(lib)  # a Library's ops are deregistered when it is collected
+    lib.define("lean(Tensor a, Tensor b) -> Tensor")
+    for device in ("CPU", "CUDA"):
+        lib.impl("lean", _launch_impl, device)
+    found["Library op + llmsys launch"] = torch.ops.llmsys_alt.lean
+
+    lib.define("generic_autograd(Tensor a, Tensor b) -> Tensor")
+    lib.impl("generic_autograd", _launch_impl, "CUDA")
+    torch.library.register_autograd(
+        "llmsys_alt::generic_autograd",
+        lambda ctx, g: (g, g),
+        setup_context=lambda *a: None,
+        lib=lib,
+    )
+    found["Library op + register_autograd"] = torch.ops.llmsys_alt.generic_autograd
+
+    custom = torch.library.custom_op("llmsys_alt::custom", _launch_impl, mutates_args=())
+    found["custom_op + llmsys launch"] = custom
+
+    if hasattr(torch.library, "triton_op"):
+
+        def _triton_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(a)
+            block, warps = swiglu_ops.launch_config(a.numel())
+            torch.library.wrap_triton(swiglu_fwd_kernel)[(triton.cdiv(a.numel(), block),)](
+                a, b, out, a.numel(), **_constexprs(block), num_warps=warps
+            )
+            return out
+
+        found["triton_op + wrap_triton"] = torch.library.triton_op(
+            "llmsys_alt::triton", _triton_impl, mutates_args=()
+        )
+    return found
+
+
+# --- the rows -------------------------------------------------------------------------------------
+
+
+def rows() -> list[dict]:
+    out = []
+
+    def row(kind, case, ours, baseline_name=None, baseline=None, target=None):
+        entry = {
+            "kind": kind,
+            "case": case,
+            "ours_us": round(ours, 2),
+            "baseline": baseline_name or "",
+        }
+        if baseline is not None:
+            entry |= {"baseline_us": round(baseline, 2), "ratio": round(ours / baseline, 3)}
+        entry["target_ratio"] = target if target is not None else ""
+        out.append(entry)
+        print(
+            f"{kind:6} {case:58} {ours:8.1f} us"
+            + (
+                f"  vs {baseline_name}: {baseline:8.1f} us  ({ours / baseline:.2f}x)"
+                if baseline
+                else ""
+            ),
+            flush=True,
+        )
+
+    cuda = {"device": "cuda"}
+    a, b = (torch.randn(128, 128, **cuda) for _ in range(2))
+    eager_swiglu = host_us(lambda: F.silu(a) * b)
+    row(
+        "host",
+        "swiglu_fwd op, 128x128 fp32",
+        host_us(lambda: torch.ops.llm_scaling_week.swiglu_fwd(a, b)),
+        "F.silu(a) * b",
+        eager_swiglu,
+        1.0,
+    )
+    for name, fn in alternatives().items():
+        row(
+            "launch",
+            f"swiglu fwd 128x128 fp32: {name}",
+            host_us(lambda fn=fn: fn(a, b)),
+            "F.silu(a) * b",
+            eager_swiglu,
+        )
+
+    a, b, g = (torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    a.requires_grad_(), b.requires_grad_()
+    row(
+        "host",
+        "swiglu forward+backward 1024x1024 bf16 (autograd.grad)",
+        host_us(lambda: torch.autograd.grad(swiglu(a, b), (a, b), g)),
+        "eager autograd",
+        host_us(lambda: torch.autograd.grad(F.silu(a) * b, (a, b), g)),
+        1.0,
+    )
+
+    with torch.inference_mode():
+        x1 = torch.randn(1, 2048, device="cuda", dtype=torch.float16)
+        row("host", "quantize_int8_perrow, M = 1, K 2048", host_us(lambda: quantize_rows(x1)))
+        w = torch.randn(22016, 2048, device="cuda", dtype=torch.float16) * 0.02  # (N, K)
+        qw, w_scale = quantize_int8(w.t())
+        qa, a_scale = quantize_rows(x1)
+        fp16_1 = host_us(lambda: x1 @ w.t())
+        row(
+            "host",
+            "matmul_int8, M = 1, K 2048, N 22016",
+            host_us(lambda: matmul_int8(qa, a_scale, qw, w_scale)),
+            "fp16 a @ w",
+            fp16_1,
+        )
+        for m in (1, 16, 16384):
+            x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
+            row(
+                "host",
+                f"matmul_quantize_int8, M = {m}, K 2048, N 22016",
+                host_us(lambda x=x: matmul_quantize_int8(x, qw, w_scale)),
+                "fp16 a @ w",
+                host_us(lambda x=x: x @ w.t()),
+                2.0,
+            )
+        del w, qw
+
+    q, k, v, do = (
+        torch.randn(1, 16, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    sdpa = F.scaled_dot_product_attention
+    with torch.no_grad():
+        row(
+            "host",
+            "flash_attention forward, 1x16x1024x64 bf16 causal",
+            host_us(lambda: flash_attention(q, k, v, causal=True)),
+            "SDPA",
+            host_us(lambda: sdpa(q, k, v, is_causal=True)),
+            1.5,
+        )
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    row(
+        "host",
+        "flash_attention forward+backward, 1x16x1024x64 bf16 causal",
+        host_us(lambda: torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)),
+        "SDPA",
+        host_us(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), do)),
+        1.5,
+    )
+
+    tokens, topk, experts, hidden, align = 64, 2, 8, 2048, 16
+    xm = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    top = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :topk]
+    counts = torch.bincount(top.flatten(), minlength=experts)
+    weights = torch.rand(tokens, topk, device="cuda", dtype=torch.bfloat16)
+    rows_bound = tokens * topk + experts * (align - 1)
+    perm, _, row_index = padded_moe_permute(
+        xm, top, counts, topk, experts, align=align, out_rows=rows_bound, return_row_index=True
+    )
+
+    def eager_permute():
+        order = top.flatten().argsort(stable=True)
+        return xm[order // topk], order
+
+    sorted_rows, order = eager_permute()
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device="cuda")
+
+    def eager_unpermute():
+        return (sorted_rows[inverse].view(tokens, topk, hidden) * weights[..., None]).sum(1)
+
+    with torch.no_grad():
+        row(
+            "host",
+            f"moe permute, {tokens} tokens top-{topk} of {experts}, out_rows given",
+            host_us(
+                lambda: padded_moe_permute(
+                    xm, top, counts, topk, experts, align=align, out_rows=rows_bound
+                )
+            ),
+            "eager argsort permute",
+            host_us(eager_permute),
+            1.0,
+        )
+        row(
+            "host",
+            f"moe unpermute, {tokens} tokens top-{topk}",
+            host_us(lambda: moe_unpermute(perm, row_index, weights)),
+            "eager gather + weighted sum",
+            host_us(eager_unpermute),
+            1.0,
+        )
+
+    with torch.inference_mode():
+        for k_dim, n in QWEN_GEMMS:
+            w = torch.randn(n, k_dim, device="cuda", dtype=torch.float16) * 0.02
+            qw, w_scale = quantize_int8(w.t())
+            for m in (1, 16):
+                x = torch.randn(m, k_dim, device="cuda", dtype=torch.float16)
+                ours = lambda x=x, qw=qw, s=w_scale: matmul_quantize_int8(x, qw, s)  # noqa: E731
+                fp16 = lambda x=x, w=w: x @ w.t()  # noqa: E731
+                case = f"int8 W8A8 M = {m}, K {k_dim}, N {n}"
+                row("wall", case, wall_us(ours), "fp16 x @ w.T", wall_us(fp16), 0.8)
+                row("graph", case, graph_us(ours), "fp16 x @ w.T", graph_us(fp16), 0.7)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_cost.py needs a CUDA GPU")
+    name = torch.cuda.get_device_name()
+    gpu = next((g for g in ("h100", "h200", "a100") if g in name.lower()), "gpu")
+    print(f"{name}, torch {torch.__version__}, triton {triton.__version__}")
+    table = rows()
+    for entry in table:
+        entry |= {"gpu": name, "torch": torch.__version__, "triton": triton.__version__}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"host_cost_{gpu}.csv"
+    fields = [
+        "kind",
+        "case",
+        "ours_us",
+        "baseline",
+        "baseline_us",
+        "ratio",
+        "target_ratio",
+        "gpu",
+        "torch",
+        "triton",
+    ]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fields, restval="")
+        writer.writeheader()
+        writer.writerows(table)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

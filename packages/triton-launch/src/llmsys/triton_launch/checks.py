@@ -1,0 +1,79 @@
+"""Argument checks shared by the kernel packages: each raises a ``TypeError`` or ``ValueError``
+that names the operation, the argument, what was expected and what came.
+
+Every message reads ``"{op}: `{name}` must ..., got ..."``. The checks are plain Python on tensor
+metadata (no device work, no synchronization), so they run on every call and under tracing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    """``"float16, bfloat16"`` for ``(torch.float16, torch.bfloat16)``."""
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def tensor(op: str, name: str, value, dtypes=None, kind: str | None = None) -> None:
+    """A ``torch.Tensor`` whose dtype is in ``dtypes`` (if given), else ``TypeError``.
+
+    The dtype message lists the allowed dtypes, or says ``must have {kind} dtype`` when ``kind``
+    (e.g. ``"a floating"``) is given.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None and value.dtype not in dtypes:
+        expected = f"{kind} dtype" if kind else f"dtype in ({dtype_names(dtypes)})"
+        raise TypeError(f"{op}: `{name}` must have {expected}, got {value.dtype}")
+
+
+def tensors(op: str, optional: Iterable[str] = (), **values) -> None:
+    """Each value a ``torch.Tensor`` (or None, for the names in ``optional``), else ``TypeError``.
+
+    For the public functions, before the dispatcher: its own schema error is a RuntimeError that
+    names no argument.
+    """
+    for name, value in values.items():
+        if value is None and name in optional:
+            continue
+        tensor(op, name, value)
+
+
+def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(
+            f"{op}: `{name}` must have the dtype of `{ref_name}` ({ref.dtype}), got {t.dtype}"
+        )
+
+
+def same_shape(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.shape != ref.shape:
+        raise ValueError(
+            f"{op}: `{name}` must have the shape of `{ref_name}` ({tuple(ref.shape)}), "
+            f"got {tuple(t.shape)}"
+        )
+
+
+def same_device(op: str, name: str, t: torch.Tensor | None, ref_name: str, ref) -> None:
+    """``t`` (skipped when None) on ``ref``'s device, else ``ValueError``."""
+    if t is not None and t.device != ref.device:
+        raise ValueError(
+            f"{op}: `{name}` must be on the device of `{ref_name}` ({ref.device}), got {t.device}"
+        )
+
+
+def integer(op: str, name: str, value, minimum: int) -> None:
+    """An ``int`` (not a bool) of at least ``minimum``: ``TypeError``, then ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: `{name}` must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{op}: `{name}` must be at least {minimum}, got {value}")
+
+
+def positive_int(owner: str, name: str, value) -> None:
+    """A module size: an ``int`` (not a bool) of at least 1, else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
