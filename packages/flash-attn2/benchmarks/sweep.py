@@ -232,29 +232,18 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None, full: bool 
 
 
 def make_row(name, mode, shape, dtype, result, base, rate, gpu, stamp) -> harness.Row:
+    """One row; ``result`` is (p20, p50, p80) or what stopped the run ("OOM": NaN times)."""
     timed = isinstance(result, tuple)
-    p20, p50, p80 = result if timed else (math.nan,) * 3
     flops = causal_fwd_flops(shape) * FLOPS_FACTOR[mode]
-    tflops = flops / (p50 * 1e-3) / 1e12 if timed else None
-    config = (our_config(shape, dtype) if name == "ours" else "") if timed else result
-    return harness.Row(
-        kernel="flash_attention",
-        provider=name,
-        mode=mode,
-        x="x".join(map(str, shape)),
-        dtype=str(dtype).removeprefix("torch."),
-        p20=p20,
-        p50=p50,
-        p80=p80,
-        throughput=tflops,
-        throughput_unit="TFLOP/s",
-        roofline_fraction=tflops * 1e12 / rate if timed else None,
-        speedup_vs_baseline=base[1] / p50 if timed and isinstance(base, tuple) else None,
-        config=config,
-        gpu=gpu,
-        version=fa.__version__,
-        timestamp=stamp,
-    )
+    return harness.row(
+        "flash_attention", name, mode, "x".join(map(str, shape)), dtype,
+        result if timed else (math.nan,) * 3,
+        work=flops if timed else None, throughput_unit="TFLOP/s",
+        floor_s=flops / rate if timed else None,
+        baseline=base[1] if timed and isinstance(base, tuple) else None,
+        config=(our_config(shape, dtype) if name == "ours" else "") if timed else result,
+        gpu=gpu, version=fa.__version__, timestamp=stamp,
+    )  # fmt: skip
 
 
 # --- report --------------------------------------------------------------------------------------

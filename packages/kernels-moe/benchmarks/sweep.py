@@ -111,26 +111,11 @@ def skipped(device: str) -> list[str]:
 
 
 def _row(kind, provider, mode, case, dtype, times, nbytes, copy_bw, baseline, config, stamp, gpu):
-    p20, p50, p80 = times
-    bandwidth = nbytes / (p50 * 1e-3)
-    return harness.Row(
-        kernel=kind,
-        provider=provider,
-        mode=mode,
-        x=case_name(case),
-        dtype=str(dtype).removeprefix("torch."),
-        p20=p20,
-        p50=p50,
-        p80=p80,
-        throughput=bandwidth / 1e12,
-        throughput_unit="TB/s",
-        roofline_fraction=bandwidth / copy_bw,
-        speedup_vs_baseline=baseline / p50 if baseline else None,
-        config=config,
-        gpu=gpu,
-        version=km.__version__,
-        timestamp=stamp,
-    )
+    return harness.row(
+        kind, provider, mode, case_name(case), dtype, times, work=nbytes, throughput_unit="TB/s",
+        floor_s=nbytes / copy_bw, baseline=baseline, config=config, gpu=gpu,
+        version=km.__version__, timestamp=stamp,
+    )  # fmt: skip
 
 
 def run(device: str = "cuda", *, quick: bool = False, progress=None, compile_eager=None):
@@ -233,17 +218,15 @@ def host_rows(permutes: dict, unpermutes: dict, stamp: str) -> list[harness.Row]
     }
     costs = {key: harness.host_us_per_call(fn, calls=300) for key, fn in calls.items()}
     return [
-        harness.Row(
-            kernel=kind,
-            provider=name,
-            mode="host",
-            x=case_name(HOST_CASE),
-            dtype="bfloat16",
-            p20=us,
-            p50=us,
-            p80=us,
+        harness.row(
+            kind,
+            name,
+            "host",
+            case_name(HOST_CASE),
+            "bfloat16",
+            (us, us, us),
             unit="us",
-            speedup_vs_baseline=costs[(kind, "eager")] / us,
+            baseline=costs[(kind, "eager")],
             gpu=harness.device_name("cuda"),
             version=km.__version__,
             timestamp=stamp,
