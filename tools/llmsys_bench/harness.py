@@ -47,6 +47,7 @@ __all__ = [
     "row",
     "save_figure",
     "sweep_arguments",
+    "sweep_main",
     "time_ms",
     "timestamp",
     "write_csv",
@@ -219,6 +220,34 @@ def sweep_arguments(description: str, results: Path, quick_help: str):
     parser.add_argument("--out", type=Path, default=results, help="folder for the CSV and plot")
     parser.add_argument("--replot", type=Path, help="only redraw the plot of a results CSV")
     return parser
+
+
+def sweep_main(
+    args, plot: Callable[[list[Row], Path], Path], run: Callable[[Callable], list[Row]], **bar
+) -> list[Row]:
+    """The body of every sweep's ``main()`` after parsing ``sweep_arguments``: ``--replot`` only
+    redraws; otherwise ``run(progress)`` under a progress bar (``bar``: tqdm's ``desc``,
+    ``total``), then ``<device>.csv`` and its plot under ``--out``, and every row printed."""
+    if args.replot:
+        print("wrote", replot(args.replot, plot))
+        return []
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    with tqdm(unit="case", **bar) as progress:
+        rows = run(progress.update)
+    slug = device_slug(args.device)
+    csv_path = write_csv(rows, args.out / f"{slug}.csv")
+    png = plot(rows, args.out / f"{slug}.png")
+    print("wrote", csv_path, png, f"in {time.perf_counter() - started:.0f} s")
+    for r in rows:
+        rate = f"{r.throughput:8.2f} {r.throughput_unit}" if r.throughput else ""
+        print(
+            f"{r.kernel:20} {r.mode:8} {r.dtype:9} {r.x:>22} {r.provider:14} "
+            f"p50={r.p50:9.4f} {r.unit:2} {rate:16} frac={r.roofline_fraction or 0:5.2f} "
+            f"x_base={r.speedup_vs_baseline or 0:5.2f} {r.config}"
+        )
+    return rows
 
 
 def replot(csv_path: Path, plot: Callable[[list[Row], Path], Path]) -> Path:

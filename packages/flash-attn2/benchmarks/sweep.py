@@ -322,30 +322,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    if args.replot:
-        print("wrote", harness.replot(args.replot, plot))
-        return
-    from tqdm import tqdm
+    partial_csv = args.out / f"{harness.device_slug(args.device)}.csv"
 
-    total = len(cases(args.device, args.quick, args.full, dtype))
-    slug = harness.device_slug(args.device)
-    rows = []
-    with tqdm(total=total, desc="attention sweep", unit="case") as bar:
+    def run_keeping_rows(progress) -> list[harness.Row]:
+        rows = []
         for case_rows in iter_rows(args.device, args.quick, args.full, dtype):
             rows += case_rows
-            harness.write_csv(rows, args.out / f"{slug}.csv")  # a cut-short run keeps its rows
-            bar.update()
-    print("wrote", args.out / f"{slug}.csv", plot(rows, args.out / f"{slug}.png"))
-    for r in rows:
-        speed = (
-            f"{r.p50:8.3f} ms {r.throughput or 0:6.1f} TFLOP/s"
-            if r.throughput
-            else f"{r.config:>26}"
-        )
-        print(
-            f"{r.dtype:9} {r.mode:7} {r.x:>14} {r.provider:10} {speed} "
-            f"x_sdpa_flash={r.speedup_vs_baseline or 0:5.2f}"
-        )
+            harness.write_csv(rows, partial_csv)  # a cut-short run keeps its rows
+            progress()
+        return rows
+
+    total = len(cases(args.device, args.quick, args.full, dtype))
+    harness.sweep_main(args, plot, run_keeping_rows, desc="attention sweep", total=total)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ CPU_SHAPES, CPU_M, CPU_QUANT = [(64, 48)], [1, 16], [(16, 64)]
 HOST_M = 1
 REP_MS = 50
 FLUSH_BYTES = 1 << 30
-VERBOSE = False  # main() prints each row as it is measured
 
 
 def gpu_time_ms(fn, device: str) -> tuple[float, float, float]:
@@ -164,8 +163,6 @@ def _gemm_rows(m, n, k, device, bandwidth, bf16_rate) -> list[harness.Row]:
                 config=_config(m, n, k) if name.startswith("ours") else "",
             )
         )
-        if VERBOSE:
-            _print(rows[-1])
     return rows
 
 
@@ -318,29 +315,11 @@ def main(argv: list[str] | None = None) -> None:
         __doc__.splitlines()[0], RESULTS, quick_help="only M = 1, 16 and 16384"
     )
     args = parser.parse_args(argv)
-    if args.replot:
-        print("wrote", harness.replot(args.replot, plot))
-        return
-    from tqdm import tqdm
-
-    global VERBOSE
-    VERBOSE = True
-    with tqdm(desc="int8 sweep", unit="case") as bar:
-        rows = run(args.device, quick=args.quick, progress=bar.update)
-    slug = harness.device_slug(args.device)
-    csv_path = harness.write_csv(rows, args.out / f"{slug}.csv")
-    print("wrote", csv_path, plot(rows, args.out / f"{slug}.png"))
-    for r in rows:
-        if r.mode != "gemm" and r.mode != "e2e":
-            _print(r)
-
-
-def _print(r: harness.Row) -> None:
-    print(
-        f"{r.kernel:20} {r.mode:8} {r.x:26} {r.provider:14} p50={r.p50:9.4f}{r.unit} "
-        f"{r.throughput or 0:8.2f} {r.throughput_unit:7} frac={r.roofline_fraction or 0:5.2f} "
-        f"x_base={r.speedup_vs_baseline or 0:5.2f} {r.config}",
-        flush=True,
+    harness.sweep_main(
+        args,
+        plot,
+        lambda progress: run(args.device, quick=args.quick, progress=progress),
+        desc="int8 sweep",
     )
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -254,32 +253,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     args = parser.parse_args(argv)
-    if args.replot:
-        print("wrote", harness.replot(args.replot, plot))
-        return
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    with tqdm(desc="moe sweep", unit="case") as bar:
-        rows = run(
-            args.device,
-            quick=args.quick,
-            progress=bar.update,
-            compile_eager=False if args.no_compile else None,
-        )
-    slug = harness.device_slug(args.device)
-    print(
-        "wrote",
-        harness.write_csv(rows, args.out / f"{slug}.csv"),
-        plot(rows, args.out / f"{slug}.png"),
-        f"in {time.perf_counter() - started:.0f} s",
+    compile_eager = False if args.no_compile else None
+    harness.sweep_main(
+        args,
+        plot,
+        lambda progress: run(
+            args.device, quick=args.quick, progress=progress, compile_eager=compile_eager
+        ),
+        desc="moe sweep",
     )
-    for r in rows:
-        print(
-            f"{r.kernel:13} {r.mode:7} {r.x:>22} {r.provider:14} p50={r.p50:9.4f}{r.unit} "
-            f"x_eager={r.speedup_vs_baseline or 0:6.2f} frac={r.roofline_fraction or 0:5.2f} "
-            f"{r.config}"
-        )
 
 
 if __name__ == "__main__":

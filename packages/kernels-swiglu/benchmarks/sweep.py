@@ -181,25 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         __doc__.splitlines()[0], RESULTS, quick_help="only the two smallest shapes"
     )
     args = parser.parse_args(argv)
-    if args.replot:
-        print("wrote", harness.replot(args.replot, plot))
-        return
-    from tqdm import tqdm
-
-    rows = []
-    with tqdm(desc="swiglu sweep", unit="case") as bar:
-        rows = run(args.device, quick=args.quick, progress=bar.update)
-    slug = harness.device_slug(args.device)
-    print(
-        "wrote",
-        harness.write_csv(rows, args.out / f"{slug}.csv"),
-        plot(rows, args.out / f"{slug}.png"),
+    harness.sweep_main(
+        args,
+        plot,
+        lambda progress: run(args.device, quick=args.quick, progress=progress),
+        desc="swiglu sweep",
     )
-    for r in rows:
-        print(
-            f"{r.dtype:9} {r.mode:7} {r.x:>11} {r.provider:8} p50={r.p50:9.4f}{r.unit} "
-            f"x_eager={r.speedup_vs_baseline or 0:5.2f} frac={r.roofline_fraction or 0:5.2f}"
-        )
 
 
 if __name__ == "__main__":
