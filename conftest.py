@@ -1,24 +1,26 @@
 """pytest configuration shared by every package's tests and benchmarks.
 
 pytest imports this file before any test module, so on a machine without a GPU the Triton
-kernels are switched to the interpreter (CPU tensors) before any package imports Triton.
+kernels are switched to the interpreter (CPU tensors) before any package imports Triton
+(``tools/llmsys_dev/device.py``; tests and benchmarks that size their cases at import read
+``ON_GPU`` and ``DEVICE`` from there too).
 """
 
-import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from llmsys_dev.ranks import run_ranks as _run_ranks
+sys.path.insert(0, str(Path(__file__).parent / "tools"))
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+from llmsys_dev.device import DEVICE, ON_GPU
+from llmsys_dev.ranks import run_ranks as _run_ranks
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` are skipped, with that reason, where there is no CUDA GPU."""
-    if HAS_CUDA:
+    if ON_GPU:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -35,7 +37,35 @@ def _seed() -> None:
 @pytest.fixture
 def device() -> str:
     """Where the kernels run: the GPU if there is one, else the CPU under the interpreter."""
-    return "cuda" if HAS_CUDA else "cpu"
+    return DEVICE
+
+
+# What a poisoned allocation holds: NaN for floats; for integers a value no kernel output holds
+# (the int8 quantizer never writes -128; no partial sum, index or count is this odd).
+POISON = {
+    torch.int8: -128,
+    torch.uint8: 77,
+    torch.int16: -7_777,
+    torch.int32: 1_234_567_891,
+    torch.int64: 1_234_567_891,
+}
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a fresh tensor with its poison value (booleans are left as they are)."""
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    return t.fill_(POISON[t.dtype]) if t.dtype in POISON else t
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty`` returns poison, so an
+    output element that no kernel writes fails the test."""
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **k: poison_(new_empty(*a, **k)))
 
 
 @pytest.fixture
@@ -65,7 +95,7 @@ def timed(benchmark):
 
     def run(fn):
         result = fn()
-        if not HAS_CUDA:
+        if not ON_GPU:
             return benchmark(fn)
         torch.cuda.synchronize()
         last = [result]

@@ -1,8 +1,10 @@
 """nox sessions for the llmsys workspace. `nox -l` lists them; `nox` runs lint and tests.
 
+`tests`, `isolation` and `build` are parametrized by package (`tests(package='tools')` is the
+workspace tooling's own tests), so one runs alone as `nox -s "tests(package='kernels-swiglu')"`.
 Every session covers all packages by default, or a selection passed after `--`:
 
-    nox -s tests -- --package kernels-swiglu        # one package (repeatable)
+    nox -s tests -- --package kernels-swiglu        # one package (repeatable); the rest skip
     nox -s tests -- --affected-since origin/main    # changed packages and their dependents
     nox -s tests -- --package kernels-swiglu -k grad  # anything else goes to pytest
 
@@ -29,8 +31,12 @@ nox.options.reuse_existing_virtualenvs = True
 ROOT = Path(__file__).parent
 
 
+PACKAGES = [p.name for p in workspace.select()]  # in dependency order
+TOOLS = "tools"  # the workspace tooling's own tests, under tools/tests
+
+
 def _selection(session: nox.Session) -> tuple[list[workspace.Package], list[str], bool]:
-    """(packages, remaining posargs, whether the whole workspace was selected)."""
+    """(packages, remaining posargs, whether the workspace tooling is selected too)."""
     names, since, rest = [], None, []
     args = iter(session.posargs)
     for arg in args:
@@ -44,20 +50,40 @@ def _selection(session: nox.Session) -> tuple[list[workspace.Package], list[str]
             since = arg.split("=", 1)[1]
         else:
             rest.append(arg)
-    packages = workspace.select(names or None, since)
+    named_packages = [name for name in names if name != TOOLS]
+    if names and not named_packages:  # only the tooling
+        packages = []
+    else:
+        packages = workspace.select(named_packages or None, since)
     if names:
-        everything = False
+        tooling = TOOLS in names
     elif since is None:
-        everything = True
+        tooling = True
     else:  # the workspace tooling's own tests run when something outside packages/ changed
-        everything = any(not f.startswith("packages/") for f in workspace.changed_files(since))
-    session.log("packages: " + (", ".join(p.name for p in packages) or "none affected"))
-    return packages, rest, everything
+        tooling = any(not f.startswith("packages/") for f in workspace.changed_files(since))
+    return packages, rest, tooling
+
+
+def _selected(session: nox.Session, name: str) -> tuple[workspace.Package | None, list[str]]:
+    """This parametrization's package (None for the tooling) and the pytest arguments; skips
+    the session, saying so, when the posargs' selection leaves it out."""
+    packages, rest, tooling = _selection(session)
+    chosen = {p.name: p for p in packages}
+    if (name == TOOLS and not tooling) or (name != TOOLS and name not in chosen):
+        session.skip(f"{name} is not in this run's selection ({' '.join(session.posargs)})")
+    return chosen.get(name), rest
 
 
 def _host_has_cuda() -> bool:
     probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def _skip_without_gpu(session: nox.Session) -> None:
+    if not _host_has_cuda():
+        session.skip(
+            "no CUDA GPU here (the host python's torch sees none); `nox -s tests` runs CPU tests"
+        )
 
 
 @nox.session
@@ -69,50 +95,41 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
-def tests(session: nox.Session) -> None:
-    """CPU tests (Triton under the interpreter), benchmark bodies once, isolation of each wheel."""
-    packages, pytest_args, everything = _selection(session)
+@nox.parametrize("package", [TOOLS, *PACKAGES])
+def tests(session: nox.Session, package: str) -> None:
+    """CPU tests (Triton under the interpreter), benchmark bodies once, isolation of the wheel."""
+    selected, pytest_args = _selected(session, package)
     isolate = "--no-isolation" not in pytest_args
     pytest_args = [arg for arg in pytest_args if arg != "--no-isolation"]
     python = envs.dev_env()
-    env = envs.source_env()
     common = ["-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib"]
-    if everything:
-        session.run(python, *common, "tools/tests", *pytest_args, env=env, external=True)
-    for package in packages:
-        paths = [p for p in (package.path / "tests", package.path / "benchmarks") if p.exists()]
-        session.run(
-            python, *common, *paths, "--benchmark-disable", *pytest_args, env=env, external=True
-        )
-    for package in packages if isolate else ():
-        check_isolation(python, package)
+    if selected is None:
+        paths = ["tools/tests"]
+    else:
+        folders = (selected.path / "tests", selected.path / "benchmarks")
+        paths = [*(p for p in folders if p.exists()), "--benchmark-disable"]
+    session.run(python, *common, *paths, *pytest_args, env=envs.source_env(), external=True)
+    if selected is not None and isolate:
+        check_isolation(python, selected)
 
 
 @nox.session(venv_backend="none")
-def isolation(session: nox.Session) -> None:
-    """Each package's wheel alone in a fresh venv with only torch and triton runs its example."""
-    packages, _, _ = _selection(session)
-    python = envs.dev_env()
-    for package in packages:
-        check_isolation(python, package)
+@nox.parametrize("package", PACKAGES)
+def isolation(session: nox.Session, package: str) -> None:
+    """The package's wheel alone in a fresh venv with only torch and triton runs its example."""
+    selected, _ = _selected(session, package)
+    check_isolation(envs.dev_env(), selected)
 
 
 @nox.session(venv_backend="none")
-def build(session: nox.Session) -> None:
-    """Wheels and sdists of the selected packages into dist/."""
-    packages, _, _ = _selection(session)
+@nox.parametrize("package", PACKAGES)
+def build(session: nox.Session, package: str) -> None:
+    """The package's wheel and sdist into dist/."""
+    selected, _ = _selected(session, package)
     python = envs.dev_env()
-    for package in packages:
-        session.run(
-            python,
-            "-m",
-            "build",
-            "--no-isolation",
-            "--outdir",
-            "dist",
-            package.path,
-            external=True,
-        )
+    session.run(
+        python, "-m", "build", "--no-isolation", "--outdir", "dist", selected.path, external=True
+    )
 
 
 @nox.session(venv_backend="none")
@@ -123,6 +140,7 @@ def bench(session: nox.Session) -> None:
     shared CPU environment runs a small default under the Triton interpreter.
     """
     packages, rest, _ = _selection(session)
+    session.log("packages: " + (", ".join(p.name for p in packages) or "none affected"))
     selected = [arg for p in packages for arg in ("--package", p.name)]
     python = sys.executable if _host_has_cuda() else envs.dev_env()
     session.run(python, "tools/bench.py", *selected, *rest, env=envs.source_env(), external=True)
@@ -151,12 +169,14 @@ def gpu(session: nox.Session) -> None:
 
     Without nox on a GPU host: `python tools/gpu.py` does the same.
     """
+    _skip_without_gpu(session)
     session.run(sys.executable, "tools/gpu.py", *session.posargs, external=True)
 
 
 @nox.session(venv_backend="none")
 def bench_compare(session: nox.Session) -> None:
     """pytest-benchmark run on this GPU against the committed baselines; >10% slower fails."""
+    _skip_without_gpu(session)
     session.run(
         sys.executable,
         "tools/gpu.py",

@@ -5,19 +5,16 @@ GEMM's parallel precompile), and a spawned worker re-runs this file as ``__mp_ma
 the guard every worker would run the whole main job again.
 """
 
-import os
 import sys
 from pathlib import Path
 
 
 def main() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import llmsys_dev.device  # noqa: F401  (the interpreter without a GPU, before Triton loads)
     from llmsys_dev.workspace import source_paths
 
     sys.path[:0] = source_paths()
-    if not __import__("torch").cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module imports triton
-
     from llmsys_bench.report import main as run_main_job
 
     return run_main_job()

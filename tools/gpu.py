@@ -6,7 +6,8 @@ Runs with whatever python has torch and triton (a GPU host without network or no
     python tools/gpu.py --package kernels-swiglu --save-baselines --out /tmp/gpu
 
 Baselines live in packages/<name>/benchmarks/baselines/<gpu>.json; a benchmark median more than
-10% slower than its baseline fails the run.
+10% slower than its baseline fails the run (pytest-benchmark's own ``--benchmark-compare`` and
+``--benchmark-compare-fail``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 
-from llmsys_bench.compare import compare_files  # noqa: E402
 from llmsys_dev.envs import source_env  # noqa: E402
 from llmsys_dev.workspace import ROOT, select  # noqa: E402
 
@@ -29,6 +29,23 @@ from llmsys_dev.workspace import ROOT, select  # noqa: E402
 def step(cmd: list[str], **kwargs) -> bool:
     print("+", " ".join(map(str, cmd)), flush=True)
     return subprocess.run(list(map(str, cmd)), env=source_env(), **kwargs).returncode == 0
+
+
+def benchmark_command(
+    bench_dir: Path, json_out: Path, baseline: Path | None, threshold: float
+) -> list[str]:
+    """pytest arguments that run ``bench_dir``'s benchmarks into ``json_out`` and, given a
+    ``baseline`` run, fail when a median is more than ``threshold`` slower than its own there."""
+    command = [
+        str(bench_dir), "-q", "-p", "no:cacheprovider", f"--benchmark-json={json_out}",
+        "--benchmark-min-rounds=20",
+    ]  # fmt: skip
+    if baseline is not None:
+        command += [
+            f"--benchmark-compare={baseline}",
+            f"--benchmark-compare-fail=median:{threshold * 100:g}%",
+        ]
+    return command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,28 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         bench_dir = package.path / "benchmarks"
         if any(bench_dir.glob("test_*.py")):
             new = args.out / f"{package.name}-{slug}.json"
-            ok = step(
-                [
-                    sys.executable,
-                    "-m",
-                    "pytest",
-                    bench_dir,
-                    "-q",
-                    "-p",
-                    "no:cacheprovider",
-                    f"--benchmark-json={new}",
-                    "--benchmark-min-rounds=20",
-                ]
-            )
             baseline = bench_dir / "baselines" / f"{slug}.json"
-            if not ok:
-                failures.append(f"{package.name}: benchmarks")
+            compare = None if args.save_baselines else baseline
+            if compare and not baseline.exists():
+                print(f"notice: no baseline at {baseline}; nothing to compare (record one first)")
+                compare = None
+            command = benchmark_command(bench_dir, new, compare, args.threshold)
+            if not step([sys.executable, "-m", "pytest", *command]):
+                failures.append(f"{package.name}: benchmarks failed or slower than {baseline.name}")
             elif args.save_baselines:
                 baseline.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(new, baseline)
                 print(f"saved baseline {baseline}")
-            elif not compare_files(new, baseline, args.threshold):
-                failures.append(f"{package.name}: slower than {baseline.name}")
         sweep = bench_dir / "sweep.py"
         if not args.skip_sweep and sweep.exists() and not step([sys.executable, sweep]):
             failures.append(f"{package.name}: sweep")

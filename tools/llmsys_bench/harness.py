@@ -44,8 +44,10 @@ __all__ = [
     "read_csv",
     "read_rows",
     "replot",
+    "row",
     "save_figure",
     "sweep_arguments",
+    "sweep_main",
     "time_ms",
     "timestamp",
     "write_csv",
@@ -58,13 +60,19 @@ def time_ms(
     device: str | torch.device = "cuda",
     grad_to_none: Iterable[torch.Tensor] | None = None,
     rep_ms: int = 100,
+    flush_bytes: int | None = None,
 ) -> tuple[float, float, float]:
     """(p20, p50, p80) of one call of ``fn`` in milliseconds.
 
-    On CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, warm-up first).
-    On CPU: wall clock over repeated calls after a warm-up, for smoke runs only.
+    On CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, warm-up first),
+    or with ``flush_bytes`` a write of that many bytes before every call instead of do_bench's
+    256 MB. A larger flush keeps the GPU busy while the host enqueues the call (1 GiB: about
+    0.35 ms on an H100), so up to that much host cost per call stays out of the time.
+    On CPU: wall clock over repeated calls after a warm-up, for smoke runs only (no flush).
     """
     if torch.device(device).type == "cuda":
+        if flush_bytes is not None:
+            return _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes)
         import triton.testing
 
         p20, p50, p80 = triton.testing.do_bench(
@@ -75,14 +83,95 @@ def time_ms(
     samples = []
     deadline = time.perf_counter() + rep_ms / 1000
     while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 100):
-        if grad_to_none:
-            for t in grad_to_none:
-                t.grad = None
+        _clear_grads(grad_to_none)
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1000)
+    return _quantiles(samples)
+
+
+def _clear_grads(tensors: Iterable[torch.Tensor] | None) -> None:
+    for t in tensors or ():
+        t.grad = None
+
+
+def _quantiles(samples: list[float]) -> tuple[float, float, float]:
     q = statistics.quantiles(samples, n=10, method="inclusive")
     return q[1], statistics.median(samples), q[7]
+
+
+def _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes):
+    """CUDA events around each call, with ``flush_bytes`` written before it."""
+    flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device=device)
+    fn()  # warm-up: compile, tune
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = max(start.elapsed_time(end), 1e-3)
+    reps = int(min(200, max(10, rep_ms / estimate)))
+    pairs = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
+    for begin, finish in pairs:
+        _clear_grads(grad_to_none)
+        flush.zero_()
+        begin.record()
+        fn()
+        finish.record()
+    torch.cuda.synchronize()
+    return _quantiles([begin.elapsed_time(finish) for begin, finish in pairs])
+
+
+def row(
+    kernel: str,
+    provider: str,
+    mode: str,
+    x: str,
+    dtype: str | torch.dtype,
+    times: tuple[float, float, float],
+    *,
+    work: float | None = None,
+    throughput_unit: str = "",
+    floor_s: float | None = None,
+    baseline: float | None = None,
+    unit: str = "ms",
+    config: str = "",
+    gpu: str = "",
+    version: str = "",
+    timestamp: str = "",
+) -> Row:
+    """One results row from a timing ``times`` = (p20, p50, p80) in ``unit``.
+
+    ``work`` (bytes or operations of one call) gives the throughput in 10^12 per second
+    (``throughput_unit``: "TB/s", "TFLOP/s", "TOP/s"); ``floor_s`` (the roofline's time for one
+    call in seconds, e.g. bytes / copy bandwidth) gives ``roofline_fraction`` = floor / p50;
+    ``baseline`` (the baseline provider's p50, same unit) gives ``speedup_vs_baseline``.
+    """
+    p20, p50, p80 = times
+    seconds = p50 * {"ms": 1e-3, "us": 1e-6}[unit]
+    return Row(
+        kernel=kernel,
+        provider=provider,
+        mode=mode,
+        x=x,
+        dtype=str(dtype).removeprefix("torch."),
+        p20=p20,
+        p50=p50,
+        p80=p80,
+        unit=unit,
+        throughput=work / seconds / 1e12 if work is not None else None,
+        throughput_unit=throughput_unit,
+        roofline_fraction=floor_s / seconds if floor_s is not None else None,
+        speedup_vs_baseline=baseline / p50 if baseline else None,
+        config=config,
+        gpu=gpu,
+        version=version,
+        timestamp=timestamp,
+    )
 
 
 def host_us_per_call(fn: Callable[[], object], *, calls: int = 2000, repeats: int = 5) -> float:
@@ -131,6 +220,34 @@ def sweep_arguments(description: str, results: Path, quick_help: str):
     parser.add_argument("--out", type=Path, default=results, help="folder for the CSV and plot")
     parser.add_argument("--replot", type=Path, help="only redraw the plot of a results CSV")
     return parser
+
+
+def sweep_main(
+    args, plot: Callable[[list[Row], Path], Path], run: Callable[[Callable], list[Row]], **bar
+) -> list[Row]:
+    """The body of every sweep's ``main()`` after parsing ``sweep_arguments``: ``--replot`` only
+    redraws; otherwise ``run(progress)`` under a progress bar (``bar``: tqdm's ``desc``,
+    ``total``), then ``<device>.csv`` and its plot under ``--out``, and every row printed."""
+    if args.replot:
+        print("wrote", replot(args.replot, plot))
+        return []
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    with tqdm(unit="case", **bar) as progress:
+        rows = run(progress.update)
+    slug = device_slug(args.device)
+    csv_path = write_csv(rows, args.out / f"{slug}.csv")
+    png = plot(rows, args.out / f"{slug}.png")
+    print("wrote", csv_path, png, f"in {time.perf_counter() - started:.0f} s")
+    for r in rows:
+        rate = f"{r.throughput:8.2f} {r.throughput_unit}" if r.throughput else ""
+        print(
+            f"{r.kernel:20} {r.mode:8} {r.dtype:9} {r.x:>22} {r.provider:14} "
+            f"p50={r.p50:9.4f} {r.unit:2} {rate:16} frac={r.roofline_fraction or 0:5.2f} "
+            f"x_base={r.speedup_vs_baseline or 0:5.2f} {r.config}"
+        )
+    return rows
 
 
 def replot(csv_path: Path, plot: Callable[[list[Row], Path], Path]) -> Path:

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "--from-results",
         metavar="GPU",
         help="run nothing: compose the report from each package's committed "
-        "benchmarks/results/<GPU>.csv (e.g. h100)",
+        "benchmarks/results/<GPU>.csv and plot, linked (e.g. h100)",
     )
     args = parser.parse_args(argv)
 
@@ -145,18 +145,23 @@ def main(argv: list[str] | None = None) -> int:
                     quick = args.quick or device == "cpu"
                     extra = {"full": True} if args.full and _takes_full(sweep) else {}
                     rows = sweep.run(device, quick=quick, progress=inner.update, **extra)
-            csv_path = harness.write_csv(rows, out / f"{package.name}.csv")
-            picture = ""
-            if hasattr(sweep, "plot") and rows:
+            if args.from_results:  # link the committed files instead of copying them
+                csv_path, png = committed, committed.with_suffix(".png")
+            else:
+                csv_path, png = harness.write_csv(rows, out / f"{package.name}.csv"), None
+            if hasattr(sweep, "plot") and rows and not (png and png.exists()):
                 png = sweep.plot(rows, out / f"{package.name}.png")
-                picture = f"\n![{package.name}]({png.name})\n"
+            csv_name = os.path.relpath(csv_path, out)
+            picture = f"\n![{package.name}]({os.path.relpath(png, out)})\n" if png else ""
             notes = (
                 sweep.skipped(device) if hasattr(sweep, "skipped") and not args.from_results else []
             )
             skipped += [f"{package.name}: {note}" for note in notes]
             swept.append((package, sweep))
-            table = section_body(sweep, rows, csv_path.name)
-            sections.append(f"## {package.name}\n\nCSV: `{csv_path.name}`\n{picture}\n{table}\n")
+            table = section_body(sweep, rows, csv_name)
+            sections.append(
+                f"## {package.name}\n\nCSV: [`{csv_name}`]({csv_name})\n{picture}\n{table}\n"
+            )
             bar.update()
     if device == "cpu" and not args.from_results:
         sections += committed_gpu_sections(swept, out)

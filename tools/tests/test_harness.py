@@ -46,3 +46,39 @@ def test_report_table_says_how_many_rows_only_the_csv_has():
     short = table_section(rows, rows[:1], "k.csv")
     assert short.count("\n| k |") == 1
     assert short.endswith("1 of 3 rows; all of them are in `k.csv`.")
+
+
+def test_row_derives_throughput_fraction_and_speedup():
+    row = harness.row(
+        "k", "ours", "fwd", "8", torch.bfloat16, (1.0, 2.0, 4.0),
+        work=4e9, throughput_unit="TB/s", floor_s=1e-3, baseline=3.0, version="1.0",
+    )  # fmt: skip
+    assert row.dtype == "bfloat16" and (row.p20, row.p50, row.p80) == (1.0, 2.0, 4.0)
+    assert row.throughput == 4e9 / 2e-3 / 1e12  # 2 TB/s
+    assert row.roofline_fraction == 0.5 and row.speedup_vs_baseline == 1.5
+    assert row.unit == "ms" and row.version == "1.0"
+
+
+def test_row_in_microseconds_without_work_leaves_rates_empty():
+    row = harness.row("k", "ours", "host", "8", "float32", (5.0, 5.0, 5.0), unit="us", baseline=10)
+    assert row.unit == "us" and row.speedup_vs_baseline == 2.0
+    assert row.throughput is None and row.roofline_fraction is None
+
+
+def test_sweep_main_writes_the_csv_and_plot_then_replots_from_the_csv(tmp_path, capsys):
+    rows = [harness.row("k", "ours", "fwd", "8", "float32", (1.0, 2.0, 3.0))]
+    plotted = []
+
+    def plot(rows, path):
+        plotted.append(len(rows))
+        return path
+
+    parser = harness.sweep_arguments("test", tmp_path, quick_help="")
+    args = parser.parse_args(["--device", "cpu", "--out", str(tmp_path)])
+    assert harness.sweep_main(args, plot, lambda progress: rows, desc="test") == rows
+    assert harness.read_rows(tmp_path / "cpu.csv") == rows and plotted == [1]
+    printed = capsys.readouterr().out
+    assert "wrote" in printed and " ours " in printed and "p50=   2.0000" in printed
+    args = parser.parse_args(["--replot", str(tmp_path / "cpu.csv")])
+    assert harness.sweep_main(args, plot, lambda progress: [], desc="test") == []
+    assert plotted == [1, 1]

@@ -66,3 +66,16 @@ def test_the_check_sees_an_unguarded_call(tmp_path):
     imported = tmp_path / "other.py"
     imported.write_text("import sys\nfrom report import main\n\nsys.path.insert(0, '.')\nmain()\n")
     assert _side_effects(imported, root=tmp_path) == ["other.py:5: main()"]
+
+
+def test_report_from_committed_results_links_them_instead_of_copying(tmp_path):
+    from llmsys_bench.report import main
+
+    assert main(["--from-results", "h100", "--out", str(tmp_path), "--package", "kernels-moe"]) == 0
+    report = tmp_path / "h100" / "REPORT.md"
+    assert [p.name for p in report.parent.iterdir()] == ["REPORT.md"]
+    committed = ROOT / "packages" / "kernels-moe" / "benchmarks" / "results" / "h100.csv"
+    link = os.path.relpath(committed, report.parent)
+    text = report.read_text()
+    assert f"CSV: [`{link}`]({link})" in text and f"]({link[:-4]}.png)" in text
+    assert "| moe_permute |" in text

@@ -232,29 +232,18 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None, full: bool 
 
 
 def make_row(name, mode, shape, dtype, result, base, rate, gpu, stamp) -> harness.Row:
+    """One row; ``result`` is (p20, p50, p80) or what stopped the run ("OOM": NaN times)."""
     timed = isinstance(result, tuple)
-    p20, p50, p80 = result if timed else (math.nan,) * 3
     flops = causal_fwd_flops(shape) * FLOPS_FACTOR[mode]
-    tflops = flops / (p50 * 1e-3) / 1e12 if timed else None
-    config = (our_config(shape, dtype) if name == "ours" else "") if timed else result
-    return harness.Row(
-        kernel="flash_attention",
-        provider=name,
-        mode=mode,
-        x="x".join(map(str, shape)),
-        dtype=str(dtype).removeprefix("torch."),
-        p20=p20,
-        p50=p50,
-        p80=p80,
-        throughput=tflops,
-        throughput_unit="TFLOP/s",
-        roofline_fraction=tflops * 1e12 / rate if timed else None,
-        speedup_vs_baseline=base[1] / p50 if timed and isinstance(base, tuple) else None,
-        config=config,
-        gpu=gpu,
-        version=fa.__version__,
-        timestamp=stamp,
-    )
+    return harness.row(
+        "flash_attention", name, mode, "x".join(map(str, shape)), dtype,
+        result if timed else (math.nan,) * 3,
+        work=flops if timed else None, throughput_unit="TFLOP/s",
+        floor_s=flops / rate if timed else None,
+        baseline=base[1] if timed and isinstance(base, tuple) else None,
+        config=(our_config(shape, dtype) if name == "ours" else "") if timed else result,
+        gpu=gpu, version=fa.__version__, timestamp=stamp,
+    )  # fmt: skip
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -333,30 +322,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    if args.replot:
-        print("wrote", harness.replot(args.replot, plot))
-        return
-    from tqdm import tqdm
+    partial_csv = args.out / f"{harness.device_slug(args.device)}.csv"
 
-    total = len(cases(args.device, args.quick, args.full, dtype))
-    slug = harness.device_slug(args.device)
-    rows = []
-    with tqdm(total=total, desc="attention sweep", unit="case") as bar:
+    def run_keeping_rows(progress) -> list[harness.Row]:
+        rows = []
         for case_rows in iter_rows(args.device, args.quick, args.full, dtype):
             rows += case_rows
-            harness.write_csv(rows, args.out / f"{slug}.csv")  # a cut-short run keeps its rows
-            bar.update()
-    print("wrote", args.out / f"{slug}.csv", plot(rows, args.out / f"{slug}.png"))
-    for r in rows:
-        speed = (
-            f"{r.p50:8.3f} ms {r.throughput or 0:6.1f} TFLOP/s"
-            if r.throughput
-            else f"{r.config:>26}"
-        )
-        print(
-            f"{r.dtype:9} {r.mode:7} {r.x:>14} {r.provider:10} {speed} "
-            f"x_sdpa_flash={r.speedup_vs_baseline or 0:5.2f}"
-        )
+            harness.write_csv(rows, partial_csv)  # a cut-short run keeps its rows
+            progress()
+        return rows
+
+    total = len(cases(args.device, args.quick, args.full, dtype))
+    harness.sweep_main(args, plot, run_keeping_rows, desc="attention sweep", total=total)
 
 
 if __name__ == "__main__":

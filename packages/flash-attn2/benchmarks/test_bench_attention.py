@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from llmsys.flash_attn2 import attention_reference, flash_attention
+from llmsys_dev.device import DEVICE, ON_GPU
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 SHAPES = [(1, 16, 16384, 64), (4, 16, 4096, 128)] if ON_GPU else [(1, 2, 33, 16)]
 

@@ -41,7 +41,7 @@ def check_against_spec(q_shape, kv_shape, causal, dtype, device, scale=None, inp
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
-def test_assignment_case(causal, device, nan_outputs):
+def test_assignment_case(causal, device, poisoned_allocations):
     # The CS336 assignment's check through `.apply(q, k, v, is_causal)`: batch 4, 128 queries and
     # keys, d 64, O, L, dQ, dK, dV within atol = rtol = 1e-2 (float32; TF32 dots on a GPU).
     check_assignment_case(FlashAttention2Triton, causal, device)
@@ -49,35 +49,35 @@ def test_assignment_case(causal, device, nan_outputs):
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
 @pytest.mark.parametrize("n", LENGTHS)
-def test_odd_lengths(n, causal, device, nan_outputs):
+def test_odd_lengths(n, causal, device, poisoned_allocations):
     check_against_spec((1, 2, n, 16), (1, 2, n, 16), causal, torch.float32, device)
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
 @pytest.mark.parametrize(("n_q", "n_k"), [(5, 37), (37, 5), (64, 16), (16, 64), (1, 130)], ids=str)
-def test_different_query_and_key_lengths(n_q, n_k, causal, device, nan_outputs):
+def test_different_query_and_key_lengths(n_q, n_k, causal, device, poisoned_allocations):
     check_against_spec((2, 2, n_q, 16), (2, 2, n_k, 16), causal, torch.float32, device)
 
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (6, 1), (3, 3)], ids=str)
-def test_grouped_query_attention(heads, kv_heads, causal, device, nan_outputs):
+def test_grouped_query_attention(heads, kv_heads, causal, device, poisoned_allocations):
     check_against_spec((2, heads, 23, 16), (2, kv_heads, 29, 16), causal, torch.float32, device)
 
 
 @pytest.mark.parametrize("head_dim", [1, 8, 16, 24, 32, 64, 80, 96, 128])
-def test_head_dims(head_dim, device, nan_outputs):
+def test_head_dims(head_dim, device, poisoned_allocations):
     check_against_spec((1, 2, 19, head_dim), (1, 2, 19, head_dim), True, torch.float32, device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
-def test_low_precision(dtype, causal, device, nan_outputs):
+def test_low_precision(dtype, causal, device, poisoned_allocations):
     check_against_spec((2, 2, 45, 32), (2, 1, 45, 32), causal, dtype, device)
 
 
 @pytest.mark.parametrize("input_scale", [3.0, 10.0])
-def test_large_inputs_stay_finite_and_accurate(input_scale, device, nan_outputs):
+def test_large_inputs_stay_finite_and_accurate(input_scale, device, poisoned_allocations):
     # Scores of hundreds: the online softmax must not overflow (flash-attention#334, #41). On a
     # GPU, float32 means TF32 dots whose rounding moves such scores by ~0.1: there the same
     # check runs in bfloat16 (exact products), test_gpu_large_inputs_bf16.
@@ -90,7 +90,7 @@ def test_large_inputs_stay_finite_and_accurate(input_scale, device, nan_outputs)
 
 @pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
 @pytest.mark.parametrize("scale", [0.7, -0.9, 0.0])
-def test_explicit_scale(scale, causal, device, nan_outputs, monkeypatch):
+def test_explicit_scale(scale, causal, device, poisoned_allocations, monkeypatch):
     # 150 keys: unmasked tiles too, where a positive scale is folded into the exponent's FMA;
     # scores spread over hundreds, so a row max taken on the wrong side would overflow exp2.
     # Full-precision fp32 dots (not TF32) so that only the kernel's logic is under test.
@@ -139,7 +139,7 @@ SMALL_TILES = {
 
 @pytest.mark.parametrize("tiles", list(SMALL_TILES), ids=str)
 @pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
-def test_tile_configs_agree(tiles, causal, device, monkeypatch, nan_outputs):
+def test_tile_configs_agree(tiles, causal, device, monkeypatch, poisoned_allocations):
     # Several tiles per sequence: exercises the unmasked, diagonal and partial-tile loops.
     q, k, v = make_qkv((2, 2, 45, 16), (2, 1, 38, 16), device=device)
     grad_out = torch.randn(2, 2, 45, 16, device=device)
@@ -160,7 +160,7 @@ def test_grid_takes_the_head_major_order_beyond_cudas_limit():
         ops._grid(head_major, 2**16, 2**15)
 
 
-def test_both_program_orders_give_identical_results(device, monkeypatch, nan_outputs):
+def test_both_program_orders_give_identical_results(device, monkeypatch, poisoned_allocations):
     # Three 16-row tiles per head: the orders hand the same programs out in another sequence,
     # and each program's arithmetic is the same, so the results are bitwise equal.
     q, k, v = make_qkv((2, 2, 45, 16), (2, 1, 38, 16), device=device)
@@ -201,7 +201,7 @@ def test_backward_is_bitwise_deterministic(device):
 # --- layouts, empty tensors, aliasing ------------------------------------------------------------
 
 
-def test_strided_inputs_are_read_in_place(device, nan_outputs):
+def test_strided_inputs_are_read_in_place(device, poisoned_allocations):
     # (B, N, H, d) projections viewed as (B, H, N, d), and a slice of a wider buffer.
     qkv = torch.randn(2, 29, 3, 4, 16, device=device)
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
@@ -234,7 +234,7 @@ def test_expanded_grad_out(device):
     ],
     ids=["batch0", "queries0", "keys0"],
 )
-def test_empty_tensors(q_shape, kv_shape, device, nan_outputs):
+def test_empty_tensors(q_shape, kv_shape, device, poisoned_allocations):
     q, k, v = make_qkv(q_shape, kv_shape, device=device)
     out = FlashAttention2Triton.apply(q, k, v, True)
     lse = out.grad_fn.saved_tensors[0]
@@ -251,7 +251,7 @@ def test_inputs_are_not_modified(device):
     assert all(torch.equal(t, c) for t, c in zip((q, k, v), before, strict=True))
 
 
-def test_nan_poison_reaches_outputs(monkeypatch, device, nan_outputs):
+def test_nan_poison_reaches_outputs(monkeypatch, device, poisoned_allocations):
     # Guards the fixture itself: with the kernel launch removed, the output must be all NaN.
     monkeypatch.setattr(ops, "launch", lambda *args, **kwargs: None)
     q, k, v = make_qkv((1, 1, 13, 16), (1, 1, 13, 16), device=device)
@@ -389,7 +389,7 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gpu_cases_match_spec(case, nan_outputs):
+def test_gpu_cases_match_spec(case, poisoned_allocations):
     batch, heads, kv_heads, n_q, n_k, d, causal, dtype = case
     check_against_spec((batch, heads, n_q, d), (batch, kv_heads, n_k, d), causal, dtype, "cuda")
 

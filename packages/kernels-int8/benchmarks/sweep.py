@@ -17,7 +17,6 @@ uses the measured copy bandwidth and the bytes each provider must move at least.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -38,42 +37,12 @@ CPU_SHAPES, CPU_M, CPU_QUANT = [(64, 48)], [1, 16], [(16, 64)]
 HOST_M = 1
 REP_MS = 50
 FLUSH_BYTES = 1 << 30
-VERBOSE = False  # main() prints each row as it is measured
 
 
-def gpu_time_ms(fn, device: str, rep_ms: float = REP_MS) -> tuple[float, float, float]:
-    """(p20, p50, p80) GPU milliseconds of one call of ``fn``.
-
-    Like ``triton.testing.do_bench`` (CUDA events, L2 flushed before every call), with a larger
-    flush: the 1 GiB write keeps the GPU busy for about 0.35 ms on an H100 while the host
-    enqueues the call, so up to that much host overhead per call stays out of the event pair.
-    On CPU: ``harness.time_ms``'s wall clock.
-    """
-    if device != "cuda":
-        return harness.time_ms(fn, device=device, rep_ms=rep_ms)
-    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
-    fn()  # warm-up: compile, tune
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end), 1e-3)
-    reps = int(min(200, max(10, rep_ms / estimate)))
-    pairs = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(reps)
-    ]
-    for begin, finish in pairs:
-        flush.zero_()
-        begin.record()
-        fn()
-        finish.record()
-    torch.cuda.synchronize()
-    times = sorted(begin.elapsed_time(finish) for begin, finish in pairs)
-    q = statistics.quantiles(times, n=10, method="inclusive")
-    return q[1], statistics.median(times), q[7]
+def gpu_time_ms(fn, device: str) -> tuple[float, float, float]:
+    """(p20, p50, p80) GPU milliseconds of one call of ``fn``, 1 GiB flushed before each call
+    (which keeps up to 0.35 ms of host cost per call out of the time on an H100)."""
+    return harness.time_ms(fn, device=device, rep_ms=REP_MS, flush_bytes=FLUSH_BYTES)
 
 
 def skipped(device: str) -> list[str]:
@@ -95,24 +64,10 @@ def skipped(device: str) -> list[str]:
 def _row(kernel, provider, mode, x, dtype, times, *, work, unit, ceiling, baseline, config=""):
     """One CSV row; ``work`` (ops or bytes) per call gives the throughput, ``ceiling`` (the
     roofline floor in seconds) the fraction, ``baseline`` (ms) the speed-up."""
-    p20, p50, p80 = times
-    rate = work / (p50 * 1e-3)
-    return harness.Row(
-        kernel=kernel,
-        provider=provider,
-        mode=mode,
-        x=x,
-        dtype=dtype,
-        p20=p20,
-        p50=p50,
-        p80=p80,
-        throughput=rate / 1e12,
-        throughput_unit=unit,
-        roofline_fraction=ceiling / (p50 * 1e-3) if ceiling else None,
-        speedup_vs_baseline=baseline / p50 if baseline else None,
-        config=config,
-        **_META,
-    )
+    return harness.row(
+        kernel, provider, mode, x, dtype, times, work=work, throughput_unit=unit,
+        floor_s=ceiling or None, baseline=baseline, config=config, **_META,
+    )  # fmt: skip
 
 
 _META = {"gpu": "", "version": ki.__version__, "timestamp": ""}  # filled by run()
@@ -208,8 +163,6 @@ def _gemm_rows(m, n, k, device, bandwidth, bf16_rate) -> list[harness.Row]:
                 config=_config(m, n, k) if name.startswith("ours") else "",
             )
         )
-        if VERBOSE:
-            _print(rows[-1])
     return rows
 
 
@@ -308,17 +261,15 @@ def _host_rows(device) -> list[harness.Row]:
         ),
     }
     return [
-        harness.Row(
-            kernel="w8a8_gemm",
-            provider=name,
-            mode="host",
-            x="M=1 K=2048 N=2048",
-            dtype="fp16",
-            p20=us,
-            p50=us,
-            p80=us,
+        harness.row(
+            "w8a8_gemm",
+            name,
+            "host",
+            "M=1 K=2048 N=2048",
+            "fp16",
+            (us, us, us),
             unit="us",
-            speedup_vs_baseline=costs["cublas_fp16"] / us,
+            baseline=costs["cublas_fp16"],
             **_META,
         )
         for name, us in costs.items()
@@ -364,29 +315,11 @@ def main(argv: list[str] | None = None) -> None:
         __doc__.splitlines()[0], RESULTS, quick_help="only M = 1, 16 and 16384"
     )
     args = parser.parse_args(argv)
-    if args.replot:
-        print("wrote", harness.replot(args.replot, plot))
-        return
-    from tqdm import tqdm
-
-    global VERBOSE
-    VERBOSE = True
-    with tqdm(desc="int8 sweep", unit="case") as bar:
-        rows = run(args.device, quick=args.quick, progress=bar.update)
-    slug = harness.device_slug(args.device)
-    csv_path = harness.write_csv(rows, args.out / f"{slug}.csv")
-    print("wrote", csv_path, plot(rows, args.out / f"{slug}.png"))
-    for r in rows:
-        if r.mode != "gemm" and r.mode != "e2e":
-            _print(r)
-
-
-def _print(r: harness.Row) -> None:
-    print(
-        f"{r.kernel:20} {r.mode:8} {r.x:26} {r.provider:14} p50={r.p50:9.4f}{r.unit} "
-        f"{r.throughput or 0:8.2f} {r.throughput_unit:7} frac={r.roofline_fraction or 0:5.2f} "
-        f"x_base={r.speedup_vs_baseline or 0:5.2f} {r.config}",
-        flush=True,
+    harness.sweep_main(
+        args,
+        plot,
+        lambda progress: run(args.device, quick=args.quick, progress=progress),
+        desc="int8 sweep",
     )
 
 

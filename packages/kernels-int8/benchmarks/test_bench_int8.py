@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import llmsys.kernels_int8 as ki
+from llmsys_dev.device import DEVICE, ON_GPU
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 HALF = torch.float16 if ON_GPU else torch.float32
 QUANT_SHAPES = [(16384, 2048), (16384, 11008)] if ON_GPU else [(8, 64)]
 GEMM_SHAPES = [(16384, 2048, 6144), (16, 11008, 2048)] if ON_GPU else [(8, 64, 48)]  # M, K, N

@@ -30,7 +30,6 @@ from llmsys.kernels_int8 import (
 SHAPES = [(1, 1, 1), (1, 33, 70), (33, 70, 100), (70, 100, 300), (100, 300, 33), (300, 1, 70)]
 SHAPES += [(33, 300, 1), (300, 300, 300)]
 OUT_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-HAS_CUDA = torch.cuda.is_available()
 
 
 def shape_id(shape) -> str:
@@ -84,7 +83,7 @@ def assert_equals_spec(out, a, a_scale, b, b_scale, bias=None) -> None:
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_equals_exact_integer_product_rescaled(shape, out_dtype, device, poisoned):
+def test_equals_exact_integer_product_rescaled(shape, out_dtype, device, poisoned_allocations):
     a, a_scale, b, b_scale = operands(*shape, device, scale_dtype=out_dtype)
     out = matmul_int8(a, a_scale, b, b_scale)
     assert out.dtype == out_dtype and out.shape == shape[:2]
@@ -94,7 +93,7 @@ def test_equals_exact_integer_product_rescaled(shape, out_dtype, device, poisone
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 33, 70), (70, 100, 300), (300, 33, 100)], ids=shape_id)
-def test_bias_added_in_float32(shape, out_dtype, device, poisoned):
+def test_bias_added_in_float32(shape, out_dtype, device, poisoned_allocations):
     a, a_scale, b, b_scale = operands(*shape, device, scale_dtype=out_dtype)
     bias = torch.randn(shape[1], device=device).to(out_dtype)
     out = matmul_int8(a, a_scale, b, b_scale, bias=bias)
@@ -112,7 +111,9 @@ def test_bias_added_in_float32(shape, out_dtype, device, poisoned):
     ],
     ids=["f16-f32", "f32-bf16", "out-f16", "out-f32"],
 )
-def test_scale_dtypes_mix_and_out_dtype_wins(a_dtype, b_dtype, out_dtype, device, poisoned):
+def test_scale_dtypes_mix_and_out_dtype_wins(
+    a_dtype, b_dtype, out_dtype, device, poisoned_allocations
+):
     a, a_scale, b, b_scale = operands(33, 70, 100, device)
     a_scale, b_scale = a_scale.to(a_dtype), b_scale.to(b_dtype)
     out = None if out_dtype is None else torch.empty(33, 70, dtype=out_dtype, device=device)
@@ -122,10 +123,10 @@ def test_scale_dtypes_mix_and_out_dtype_wins(a_dtype, b_dtype, out_dtype, device
     assert_within_output_rounding(result, exact(a, a_scale, b, b_scale))
 
 
-def test_fp16_output_with_large_k_does_not_overflow(device, poisoned):
+def test_fp16_output_with_large_k_does_not_overflow(device, poisoned_allocations):
     # acc = K * 127**2 = 5.3e8 with K = 32768: float16 overflows at 65504, so an epilogue that
     # rounded `acc * a_scale` to float16 before `* b_scale` would give inf.
-    k = 32768 if HAS_CUDA else 4096
+    k = 32768 if device == "cuda" else 4096
     a = torch.full((17, k), 127, dtype=torch.int8, device=device)
     b = torch.full((k, 9), 127, dtype=torch.int8, device=device)
     a_scale = torch.full((17,), 4.0, dtype=torch.float16, device=device)
@@ -146,7 +147,7 @@ def test_split_plan_keeps_every_split_int32_exact():
     assert ops.split_plan(140000, 128, 1)[0] == 2  # longer than 131071: split even if not asked
 
 
-def test_k_past_the_int32_range_is_split_and_exact(device, poisoned):
+def test_k_past_the_int32_range_is_split_and_exact(device, poisoned_allocations):
     # 140000 * 127 * 127 = 2.26e9 > 2**31: one int32 accumulator would wrap to -2.04e9.
     k = 140_000
     a = torch.full((3, k), 127, dtype=torch.int8, device=device)
@@ -173,7 +174,9 @@ def test_without_the_split_the_int32_accumulator_would_be_wrong(monkeypatch, dev
     assert got <= 2**31 < k * 127 * 127  # float32(2**31 - 1) == 2**31
 
 
-def test_small_split_limit_forces_splits_with_identical_results(monkeypatch, device, poisoned):
+def test_small_split_limit_forces_splits_with_identical_results(
+    monkeypatch, device, poisoned_allocations
+):
     a, a_scale, b, b_scale = operands(33, 70, 300, device)
     bias = torch.randn(70, device=device)
     unsplit = matmul_int8(a, a_scale, b, b_scale, bias=bias)
@@ -203,7 +206,9 @@ def candidates_for(m: int, n: int, k: int) -> list[tuning.MatmulConfig]:
     [(1, 70, 1000), (33, 100, 300), (100, 70, 320), (300, 33, 64), (300, 72, 1024)],
     ids=shape_id,
 )
-def test_every_candidate_config_gives_identical_results(shape, monkeypatch, device, poisoned):
+def test_every_candidate_config_gives_identical_results(
+    shape, monkeypatch, device, poisoned_allocations
+):
     """Every configuration the tuner may pick (and a few small ones: split-K, both TMA
     epilogues) gives the same bits; TMA ones run where K is a multiple of 16."""
     a, a_scale, b, b_scale = operands(*shape, device, scale_dtype=torch.float16)
@@ -246,7 +251,7 @@ def test_candidates_cover_split_k_for_small_m_only():
 
 
 @pytest.mark.parametrize("layout", ["row-major b", "sliced a", "transposed out"])
-def test_strided_operands_match_contiguous(layout, device, poisoned):
+def test_strided_operands_match_contiguous(layout, device, poisoned_allocations):
     a, a_scale, b, b_scale = operands(33, 70, 100, device, b_layout="row")
     out = None
     if layout == "sliced a":
@@ -281,7 +286,7 @@ def test_inputs_are_not_modified(device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("lead", [(), (5,), (2, 3)], ids=lambda s: f"lead{len(s)}")
-def test_matmul_quantize_int8_leading_dims(lead, dtype, device, poisoned):
+def test_matmul_quantize_int8_leading_dims(lead, dtype, device, poisoned_allocations):
     fpa = torch.randn(*lead, 300, device=device).to(dtype)
     q_b, b_scale = quantize_int8(torch.randn(300, 70, device=device).to(dtype) * 0.02)
     out = matmul_quantize_int8(fpa, q_b, b_scale)
@@ -296,7 +301,7 @@ def test_matmul_quantize_int8_leading_dims(lead, dtype, device, poisoned):
         assert torch.equal(out, matmul_quantize_int8_reference(fpa, q_b, b_scale))
 
 
-def test_matmul_quantize_int8_out(device, poisoned):
+def test_matmul_quantize_int8_out(device, poisoned_allocations):
     fpa = torch.randn(2, 3, 100, device=device)
     q_b, b_scale = quantize_int8(torch.randn(100, 33, device=device) * 0.02)
     out = torch.empty(2, 3, 33, device=device, dtype=torch.float16)
@@ -456,7 +461,9 @@ def test_matmul_quantize_int8_bad_input(kwargs, error, pattern):
     "shape",
     [(1, 6144, 2048), (16, 2048, 11008), (33, 2048, 2048), (1000, 4097, 2048), (999, 4104, 2064)],
 )
-def test_gpu_model_shapes_every_candidate_identical(shape, out_dtype, monkeypatch, poisoned):
+def test_gpu_model_shapes_every_candidate_identical(
+    shape, out_dtype, monkeypatch, poisoned_allocations
+):
     a, a_scale, b, b_scale = operands(*shape, "cuda", scale_dtype=out_dtype)
     bias = torch.randn(shape[1], device="cuda").to(out_dtype)
     out_like = torch.empty(shape[:2], dtype=out_dtype, device="cuda")
@@ -491,7 +498,7 @@ def test_gpu_tuner_picks_a_candidate_and_caches_it(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_output_past_2_to_the_31_elements(poisoned):
+def test_gpu_output_past_2_to_the_31_elements(poisoned_allocations):
     m, n, k = 2**16 + 3, 2**15 + 5, 64  # 2.1e9 outputs
     if torch.cuda.mem_get_info()[0] < m * n * 2 * 2:
         pytest.skip("needs about 9 GB of free GPU memory")
@@ -505,7 +512,7 @@ def test_gpu_output_past_2_to_the_31_elements(poisoned):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture(poisoned):
+def test_gpu_cuda_graph_capture(poisoned_allocations):
     fpa = torch.randn(16, 2048, device="cuda", dtype=torch.float16)
     q_b, b_scale = quantize_int8(torch.randn(2048, 2048, device="cuda", dtype=torch.float16))
     matmul_quantize_int8(fpa, q_b, b_scale)  # compile (and tune) outside the capture

@@ -23,7 +23,6 @@ from llmsys.kernels_int8 import (
 # one-pass limit (16384) that takes the two-pass kernel.
 SHAPES = [(1, 1), (1, 70), (33, 70), (13, 300), (100, 33), (67, 1000), (3, 20000)]
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-HAS_CUDA = torch.cuda.is_available()
 
 
 def shape_id(shape) -> str:
@@ -67,7 +66,7 @@ def assert_matches_spec(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_matches_reference_exactly(shape, dtype, device, poisoned):
+def test_matches_reference_exactly(shape, dtype, device, poisoned_allocations):
     x = rand(shape, dtype, device)
     q, scale = quantize_int8_perrow(x)
     assert_matches_spec(x, q, scale)
@@ -75,7 +74,7 @@ def test_matches_reference_exactly(shape, dtype, device, poisoned):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(33, 70), (13, 300), (5, 20000)], ids=shape_id)
-def test_planted_zero_rows_give_zero_scale_and_zeros(shape, dtype, device, poisoned):
+def test_planted_zero_rows_give_zero_scale_and_zeros(shape, dtype, device, poisoned_allocations):
     x = with_zero_rows(rand(shape, dtype, device))
     q, scale = quantize_int8_perrow(x)
     zero_rows = [0, shape[0] // 2]
@@ -85,13 +84,13 @@ def test_planted_zero_rows_give_zero_scale_and_zeros(shape, dtype, device, poiso
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_all_zero_tensor(dtype, device, poisoned):
+def test_all_zero_tensor(dtype, device, poisoned_allocations):
     x = torch.zeros(7, 300, dtype=dtype, device=device)
     q, scale = quantize_int8_perrow(x)
     assert (q == 0).all() and (scale == 0).all()
 
 
-def test_float16_scale_that_underflows_gives_zeros(device, poisoned):
+def test_float16_scale_that_underflows_gives_zeros(device, poisoned_allocations):
     # amax = 2**-20 -> amax / 127 is below float16's smallest subnormal (2**-24): scale 0.
     x = torch.full((3, 70), 2.0**-20, dtype=torch.float16, device=device)
     x[1] = rand((70,), torch.float16, device)
@@ -127,7 +126,7 @@ def test_values_on_half_steps_round_to_even(device):
 
 
 @pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded"])
-def test_strided_input_matches_contiguous(layout, device, poisoned):
+def test_strided_input_matches_contiguous(layout, device, poisoned_allocations):
     if layout == "transposed":
         x = rand((70, 33), torch.float16, device).t()
     elif layout == "sliced":
@@ -158,7 +157,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_forced_configs_give_identical_results(dtype, monkeypatch, device, poisoned):
+def test_forced_configs_give_identical_results(dtype, monkeypatch, device, poisoned_allocations):
     x = with_zero_rows(rand((37, 1000), dtype, device))  # not a multiple of any block
     results = []
     for config in CONFIGS:
@@ -174,7 +173,7 @@ def test_default_config_switches_to_two_passes_past_the_limit():
     assert not tuning.quantize_config(16, tuning.ONE_PASS_MAX_K + 1).one_pass
 
 
-def test_poison_reaches_outputs(monkeypatch, device, poisoned):
+def test_poison_reaches_outputs(monkeypatch, device, poisoned_allocations):
     # Guards the fixture: with the kernel removed, every output element is poison.
     monkeypatch.setattr(ops, "launch", lambda *args, **kwargs: None)
     if device != "cuda":
@@ -287,14 +286,14 @@ def test_quantize_int8_bad_input_raises(kwargs, error, pattern):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(4096, 2048), (1000, 11008), (7, 40000)], ids=shape_id)
-def test_gpu_bit_exact_at_model_sizes(shape, dtype, poisoned):
+def test_gpu_bit_exact_at_model_sizes(shape, dtype, poisoned_allocations):
     x = with_zero_rows(rand(shape, dtype, "cuda"))
     q, scale = quantize_int8_perrow(x)
     assert_matches_spec(x, q, scale)
 
 
 @pytest.mark.gpu
-def test_gpu_more_than_2_to_the_31_elements(poisoned):
+def test_gpu_more_than_2_to_the_31_elements(poisoned_allocations):
     m, k = 2**20 + 7, 2048 + 64  # 2.2e9 elements
     if torch.cuda.mem_get_info()[0] < m * k * 4:  # x float16 + q int8, plus headroom
         pytest.skip("needs about 9 GB of free GPU memory")

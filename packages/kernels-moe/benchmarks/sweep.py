@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -111,26 +110,11 @@ def skipped(device: str) -> list[str]:
 
 
 def _row(kind, provider, mode, case, dtype, times, nbytes, copy_bw, baseline, config, stamp, gpu):
-    p20, p50, p80 = times
-    bandwidth = nbytes / (p50 * 1e-3)
-    return harness.Row(
-        kernel=kind,
-        provider=provider,
-        mode=mode,
-        x=case_name(case),
-        dtype=str(dtype).removeprefix("torch."),
-        p20=p20,
-        p50=p50,
-        p80=p80,
-        throughput=bandwidth / 1e12,
-        throughput_unit="TB/s",
-        roofline_fraction=bandwidth / copy_bw,
-        speedup_vs_baseline=baseline / p50 if baseline else None,
-        config=config,
-        gpu=gpu,
-        version=km.__version__,
-        timestamp=stamp,
-    )
+    return harness.row(
+        kind, provider, mode, case_name(case), dtype, times, work=nbytes, throughput_unit="TB/s",
+        floor_s=nbytes / copy_bw, baseline=baseline, config=config, gpu=gpu,
+        version=km.__version__, timestamp=stamp,
+    )  # fmt: skip
 
 
 def run(device: str = "cuda", *, quick: bool = False, progress=None, compile_eager=None):
@@ -233,17 +217,15 @@ def host_rows(permutes: dict, unpermutes: dict, stamp: str) -> list[harness.Row]
     }
     costs = {key: harness.host_us_per_call(fn, calls=300) for key, fn in calls.items()}
     return [
-        harness.Row(
-            kernel=kind,
-            provider=name,
-            mode="host",
-            x=case_name(HOST_CASE),
-            dtype="bfloat16",
-            p20=us,
-            p50=us,
-            p80=us,
+        harness.row(
+            kind,
+            name,
+            "host",
+            case_name(HOST_CASE),
+            "bfloat16",
+            (us, us, us),
             unit="us",
-            speedup_vs_baseline=costs[(kind, "eager")] / us,
+            baseline=costs[(kind, "eager")],
             gpu=harness.device_name("cuda"),
             version=km.__version__,
             timestamp=stamp,
@@ -271,32 +253,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     args = parser.parse_args(argv)
-    if args.replot:
-        print("wrote", harness.replot(args.replot, plot))
-        return
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    with tqdm(desc="moe sweep", unit="case") as bar:
-        rows = run(
-            args.device,
-            quick=args.quick,
-            progress=bar.update,
-            compile_eager=False if args.no_compile else None,
-        )
-    slug = harness.device_slug(args.device)
-    print(
-        "wrote",
-        harness.write_csv(rows, args.out / f"{slug}.csv"),
-        plot(rows, args.out / f"{slug}.png"),
-        f"in {time.perf_counter() - started:.0f} s",
+    compile_eager = False if args.no_compile else None
+    harness.sweep_main(
+        args,
+        plot,
+        lambda progress: run(
+            args.device, quick=args.quick, progress=progress, compile_eager=compile_eager
+        ),
+        desc="moe sweep",
     )
-    for r in rows:
-        print(
-            f"{r.kernel:13} {r.mode:7} {r.x:>22} {r.provider:14} p50={r.p50:9.4f}{r.unit} "
-            f"x_eager={r.speedup_vs_baseline or 0:6.2f} frac={r.roofline_fraction or 0:5.2f} "
-            f"{r.config}"
-        )
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 import llmsys.kernels_moe as km
+from llmsys_dev.device import DEVICE, ON_GPU
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 # (num_tokens, hidden, topk, num_experts)
 CASES = [(512, 2048, 2, 8), (4096, 4096, 8, 128)] if ON_GPU else [(8, 16, 2, 4)]

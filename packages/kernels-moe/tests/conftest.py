@@ -1,10 +1,8 @@
-"""Test configuration of kernels-moe: the poisoned-allocation fixture. (The root
-conftest.py runs Triton under the interpreter on CPU-only machines, skips `gpu` tests there,
-provides the `device` fixture and seeds every test.)"""
+"""The tests' shared helpers (moe_helpers.py) on the path. (The root conftest.py runs Triton under
+the interpreter on CPU-only machines, skips `gpu` tests there, and provides the `device`, seed and
+`poisoned_allocations` fixtures.)"""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared helpers: moe_helpers.py
-
-from moe_helpers import poisoned_allocations  # noqa: F401  (a fixture)
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,10 +1,9 @@
-"""Shared helpers for the kernels-moe tests: random routings, an independent loop spec, poison."""
+"""Shared helpers for the kernels-moe tests: random routings, an independent loop spec."""
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 
@@ -41,24 +40,6 @@ def permute_spec(x, top_experts, tokens_per_expert, align, out_rows=None):
             row_index[t, k] = nxt[e]
             nxt[e] += 1
     return out, torch.tensor(padded), row_index
-
-
-def poison_(t: torch.Tensor) -> torch.Tensor:
-    """Fill a fresh tensor with values no kernel writes: NaN, or an unlikely integer."""
-    if t.is_floating_point():
-        return t.fill_(float("nan"))
-    if t.dtype in (torch.int8, torch.uint8):
-        return t.fill_(77)
-    return t.fill_(-7_777)
-
-
-@pytest.fixture
-def poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every torch.empty / empty_like / new_empty is poisoned, so an unwritten element shows."""
-    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **k: poison_(new_empty(*a, **k)))
 
 
 def rand(shape, dtype, device) -> torch.Tensor:

@@ -107,23 +107,21 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
                 def step(fn=fn):
                     fn(a, b).backward(g)
 
-            p20, p50, p80 = harness.time_ms(step, device=device, grad_to_none=[a, b])
-            eager_p50 = p50 if name == "eager" else eager_p50
-            bandwidth = bytes_moved(math.prod(shape), dtype, mode) / (p50 * 1e-3)
+            times = harness.time_ms(step, device=device, grad_to_none=[a, b])
+            eager_p50 = times[1] if name == "eager" else eager_p50
+            nbytes = bytes_moved(math.prod(shape), dtype, mode)
             rows.append(
-                harness.Row(
-                    kernel="swiglu",
-                    provider=name,
-                    mode=mode,
-                    x="x".join(map(str, shape)),
-                    dtype=str(dtype).removeprefix("torch."),
-                    p20=p20,
-                    p50=p50,
-                    p80=p80,
-                    throughput=bandwidth / 1e12,
+                harness.row(
+                    "swiglu",
+                    name,
+                    mode,
+                    "x".join(map(str, shape)),
+                    dtype,
+                    times,
+                    work=nbytes,
                     throughput_unit="TB/s",
-                    roofline_fraction=bandwidth / copy_bw,
-                    speedup_vs_baseline=eager_p50 / p50,
+                    floor_s=nbytes / copy_bw,
+                    baseline=eager_p50,
                     gpu=gpu,
                     version=ks.__version__,
                     timestamp=stamp,
@@ -150,17 +148,15 @@ def host_rows(impls: dict, gpu: str, stamp: str, rounds: int = 5) -> list[harnes
             samples[name].append(harness.host_us_per_call(lambda fn=fn: fn(a, b), repeats=3))
     costs = {name: statistics.median(values) for name, values in samples.items()}
     return [
-        harness.Row(
-            kernel="swiglu",
-            provider=name,
-            mode="host",
-            x="x".join(map(str, HOST_SHAPE)),
-            dtype="bfloat16",
-            p20=min(samples[name]),
-            p50=us,
-            p80=max(samples[name]),
+        harness.row(
+            "swiglu",
+            name,
+            "host",
+            "x".join(map(str, HOST_SHAPE)),
+            "bfloat16",
+            (min(samples[name]), us, max(samples[name])),
             unit="us",
-            speedup_vs_baseline=costs["eager"] / us,
+            baseline=costs["eager"],
             gpu=gpu,
             version=ks.__version__,
             timestamp=stamp,
@@ -185,25 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         __doc__.splitlines()[0], RESULTS, quick_help="only the two smallest shapes"
     )
     args = parser.parse_args(argv)
-    if args.replot:
-        print("wrote", harness.replot(args.replot, plot))
-        return
-    from tqdm import tqdm
-
-    rows = []
-    with tqdm(desc="swiglu sweep", unit="case") as bar:
-        rows = run(args.device, quick=args.quick, progress=bar.update)
-    slug = harness.device_slug(args.device)
-    print(
-        "wrote",
-        harness.write_csv(rows, args.out / f"{slug}.csv"),
-        plot(rows, args.out / f"{slug}.png"),
+    harness.sweep_main(
+        args,
+        plot,
+        lambda progress: run(args.device, quick=args.quick, progress=progress),
+        desc="swiglu sweep",
     )
-    for r in rows:
-        print(
-            f"{r.dtype:9} {r.mode:7} {r.x:>11} {r.provider:8} p50={r.p50:9.4f}{r.unit} "
-            f"x_eager={r.speedup_vs_baseline or 0:5.2f} frac={r.roofline_fraction or 0:5.2f}"
-        )
 
 
 if __name__ == "__main__":

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from llmsys.kernels_swiglu import swiglu, swiglu_reference
+from llmsys_dev.device import DEVICE, ON_GPU
 
-ON_GPU = torch.cuda.is_available()
-DEVICE = "cuda" if ON_GPU else "cpu"
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
 SHAPES = [(4096, 4096), (8192, 8192)] if ON_GPU else [(8, 16)]
 IMPLS = {"ours": swiglu, "eager": swiglu_reference}

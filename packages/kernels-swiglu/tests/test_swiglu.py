@@ -51,22 +51,6 @@ TOL_VS_FLOAT64 = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
-
-
-@pytest.fixture
-def nan_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fill every tensor the ops allocate with NaN, so an element no kernel writes fails a test."""
-    empty_like = torch.empty_like
-
-    def nan_empty_like(*args, **kwargs):
-        return empty_like(*args, **kwargs).fill_(float("nan"))
-
-    monkeypatch.setattr(torch, "empty_like", nan_empty_like)
-
-
 def rand(shape, dtype, device, scale: float = 3.0) -> torch.Tensor:
     return (scale * torch.randn(shape, device=device)).to(dtype)
 
@@ -95,7 +79,7 @@ def shape_id(shape) -> str:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_forward_matches_reference(shape, dtype, device, nan_outputs):
+def test_forward_matches_reference(shape, dtype, device, poisoned_allocations):
     a, b = rand_pair(shape, dtype, device)
     out = swiglu(a, b)
     assert_close_in(dtype, out, swiglu_reference(a, b), TOL_VS_EAGER)
@@ -103,7 +87,7 @@ def test_forward_matches_reference(shape, dtype, device, nan_outputs):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_forward_matches_float64_formula(shape, dtype, device, nan_outputs):
+def test_forward_matches_float64_formula(shape, dtype, device, poisoned_allocations):
     a, b = rand_pair(shape, dtype, device)
     out = swiglu(a, b)
     assert_close_in(dtype, out.double(), swiglu_float64(a, b), TOL_VS_FLOAT64)
@@ -134,7 +118,7 @@ def test_forward_random_shapes(shape, dtype, device):
     assert_close_in(dtype, swiglu(a, b), swiglu_reference(a, b), TOL_VS_EAGER)
 
 
-def test_nan_poison_reaches_outputs(monkeypatch, device, nan_outputs):
+def test_nan_poison_reaches_outputs(monkeypatch, device, poisoned_allocations):
     # Guards the fixture itself: with the kernel launch removed, the output must be all NaN.
     monkeypatch.setattr(ops, "_launch", lambda *args: None)
     a, b = rand_pair((13,), torch.float32, device)
@@ -156,7 +140,7 @@ def grads(fn, a, b, grad_out):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_backward_matches_eager_autograd(shape, dtype, device, nan_outputs):
+def test_backward_matches_eager_autograd(shape, dtype, device, poisoned_allocations):
     a, b = rand_pair(shape, dtype, device)
     grad_out = rand(shape, dtype, device, scale=1.0)
     ours = grads(swiglu, a, b, grad_out)
@@ -166,7 +150,7 @@ def test_backward_matches_eager_autograd(shape, dtype, device, nan_outputs):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_bwd_op_matches_backward_reference(shape, dtype, device, nan_outputs):
+def test_bwd_op_matches_backward_reference(shape, dtype, device, poisoned_allocations):
     a, b = rand_pair(shape, dtype, device)
     grad_out = rand(shape, dtype, device, scale=1.0)
     grad_a, grad_b = swiglu_bwd(grad_out, a, b)
@@ -252,7 +236,7 @@ def non_contiguous(layout: str, device) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded"])
-def test_non_contiguous_inputs_match_contiguous(layout, device, nan_outputs):
+def test_non_contiguous_inputs_match_contiguous(layout, device, poisoned_allocations):
     a, b = non_contiguous(layout, device), non_contiguous("transposed", device)
     assert not a.is_contiguous() and not b.is_contiguous()
     assert torch.equal(swiglu(a, b), swiglu(a.contiguous(), b.contiguous()))
@@ -423,7 +407,9 @@ def run_with_launch_config(monkeypatch, config, fn, *args):
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
-def test_forced_launch_configs_give_identical_results(direction, monkeypatch, device, nan_outputs):
+def test_forced_launch_configs_give_identical_results(
+    direction, monkeypatch, device, poisoned_allocations
+):
     a, b = rand_pair((999,), torch.float32, device)  # not a multiple of either block
     args = (a, b) if direction == "fwd" else (rand((999,), torch.float32, device), a, b)
     op = swiglu_fwd if direction == "fwd" else swiglu_bwd
@@ -439,14 +425,14 @@ def test_forced_launch_configs_give_identical_results(direction, monkeypatch, de
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=shape_id)
-def test_gpu_forward_allclose_to_eager_at_default_tolerances(shape, dtype, nan_outputs):
+def test_gpu_forward_allclose_to_eager_at_default_tolerances(shape, dtype, poisoned_allocations):
     a, b = rand_pair(shape, dtype, "cuda")
     assert torch.allclose(F.silu(a) * b, swiglu_fwd(a, b))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_forward_bit_exact_on_every_16_bit_input(dtype, nan_outputs):
+def test_gpu_forward_bit_exact_on_every_16_bit_input(dtype, poisoned_allocations):
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32, device="cuda").to(torch.int16)
     a = bits.view(dtype)
     a = a[torch.isfinite(a)]
@@ -455,7 +441,7 @@ def test_gpu_forward_bit_exact_on_every_16_bit_input(dtype, nan_outputs):
 
 
 @pytest.mark.gpu
-def test_gpu_more_than_2_to_the_31_elements(nan_outputs):
+def test_gpu_more_than_2_to_the_31_elements(poisoned_allocations):
     n = 2**31 + 17
     if torch.cuda.mem_get_info()[0] < 4 * n * 2:  # a, b, out in bfloat16, plus headroom
         pytest.skip("needs about 18 GB of free GPU memory")
@@ -475,7 +461,7 @@ def test_gpu_more_than_2_to_the_31_elements(nan_outputs):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture(nan_outputs):
+def test_gpu_cuda_graph_capture(poisoned_allocations):
     a, b = rand_pair((67, 33), torch.bfloat16, "cuda")
     swiglu_fwd(a, b)  # compile the kernel outside the capture
     torch.cuda.synchronize()
