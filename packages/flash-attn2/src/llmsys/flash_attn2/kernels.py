@@ -73,7 +73,7 @@ def _program_tile(n_rows, BLOCK: tl.constexpr, REVERSED: tl.constexpr, HEAD_MAJO
     and head dim (tile tables in ops.py). Each order is written in the form that measured fastest
     on an H100: the head-major order as a 2-D (tiles, heads) grid ran the d = 64 dK/dV kernel
     7% slower than this 1-D form, and the (heads, tiles) order as a 1-D grid ran d = 128's 8%
-    slower (benchmarks/NOTES.md, section 5).
+    slower (DECISIONS.md, section 5).
     """
     if HEAD_MAJOR:
         n_tiles = tl.cdiv(n_rows, BLOCK)

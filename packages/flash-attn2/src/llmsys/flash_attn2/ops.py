@@ -110,8 +110,8 @@ def block_d(head_dim: int) -> int:
 
 # (forward, dK/dV, dQ) by padded head dim, for 16-bit inputs. Candidates were compiled for sm_90
 # first (registers, spills, shared memory; an H100 block gets at most 227 KiB) and then timed on an
-# H100 at 1x16x16384x{32,64} and 4x16x4096x128, causal bf16, by benchmarks/explore.py; the fastest
-# of each kernel is here (benchmarks/NOTES.md has every measurement). d = 16 uses d = 32's tiles.
+# H100 at 1x16x16384x{32,64} and 4x16x4096x128, causal bf16 (a script since removed); the fastest
+# of each kernel is here (DECISIONS.md). d = 16 uses d = 32's tiles.
 _CONFIGS_16BIT = {
     16: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
     32: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),

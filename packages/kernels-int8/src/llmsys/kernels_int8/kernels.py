@@ -10,8 +10,8 @@ Offsets along M and N are 64-bit, so tensors past 2**31 elements index correctly
 specialized on (`do_not_specialize`): one binary per configuration serves every batch size.
 N and K are, on purpose: the compiler vectorizes a masked load or store only when it can prove
 the mask constant over the vector, i.e. when it knows K (or N) is a multiple of 16; without
-that the quantizer and the pointer-based GEMM ran 2-4x slower on an H100 (NOTES.md). Every
-measured number quoted here is in benchmarks/NOTES.md.
+that the quantizer and the pointer-based GEMM ran 2-4x slower on an H100 (DECISIONS.md). Every
+measured number quoted here is in DECISIONS.md.
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def perrow_w8a8_matmul_tma_kernel(
     The copy engine loads whole tiles into shared memory (zero-filling past M, N and K), which
     frees the warps from address arithmetic; a grid of one program per SM that walks the tiles
     in a loop the compiler flattens lets the next tile's loads start during this tile's
-    epilogue. Both were measured on an H100 (NOTES.md). K must be a multiple of 16 (the
+    epilogue. Both were measured on an H100 (DECISIONS.md). K must be a multiple of 16 (the
     descriptor's row stride), and one tile's K sum must stay int32-exact (K <= 131071).
     """
     num_pid_m = tl.cdiv(M, BLOCK_M)

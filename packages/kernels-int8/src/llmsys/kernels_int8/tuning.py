@@ -4,7 +4,7 @@ The GEMM's candidates depend on M's bucket (decode, mid, prefill). On a GPU the 
 (bucket, N, K, layout, dtype) key times every candidate, split-K included, and caches the
 fastest for the life of the process; under the interpreter, during CUDA-graph capture or with
 ``LLMSYS_INT8_AUTOTUNE=0`` the first candidate (the best one measured on an H100, see
-benchmarks/NOTES.md) is used without timing.
+DECISIONS.md) is used without timing.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def m_bucket(m: int) -> int:
 def matmul_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
     """The configurations tried for an (m, k) x (k, n) product, best-known first.
 
-    Measured on an H100 (benchmarks/NOTES.md): prefill tiles of 128 x 256 x 128 with 8 warps and
+    Measured on an H100 (DECISIONS.md): prefill tiles of 128 x 256 x 128 with 8 warps and
     3 stages through the persistent TMA kernel keep the int8 tensor cores busiest (the launcher
     drops TMA candidates whose operands the copy engine cannot address); decode is memory-bound
     on B, so it wants small BLOCK_M, narrow BLOCK_N, long BLOCK_K and deep pipelines, and split-K
@@ -117,13 +117,13 @@ class QuantizeConfig:
 
 
 ONE_PASS_MAX_K = 4096  # longer rows take two passes: one program per long row holds too few
-# loads in flight (NOTES.md: 16384 x 5120 ran at 44% of the copy bandwidth in one pass, 72% in two)
+# loads in flight (16384 x 5120 ran at 44% of the copy bandwidth in one pass, 72% in two)
 
 
 def quantize_config(m: int, k: int) -> QuantizeConfig:
     """Rows per block, block width, passes, warps and grid for quantizing an (m, k) tensor.
 
-    Measured on an H100 (benchmarks/NOTES.md): rows of up to 4096 elements in one pass, about
+    Measured on an H100 (DECISIONS.md): rows of up to 4096 elements in one pass, about
     4096 elements per program (2 rows of 2048 with 4 warps; 1 row of 4096 with 8); longer rows
     in two passes over blocks of 2048 or 4096 columns, whichever pads the row less.
     """

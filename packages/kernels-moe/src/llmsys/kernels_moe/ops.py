@@ -135,7 +135,7 @@ def check_unpermute_inputs(expert_out, row_index, routing_weights) -> None:
 
 def cdiv(a: int, b: int) -> int:
     # Plain Python: triton.cdiv and triton.next_power_of_2 are jit-wrapped and cost microseconds
-    # per call on the host, which the small cases pay several times (benchmarks/NOTES.md).
+    # per call on the host, which the small cases pay several times (DECISIONS.md).
     return -(-a // b)
 
 
@@ -155,7 +155,7 @@ class RouteConfig:
     num_warps: int = 4  # of moe_count_kernel
 
 
-# Measured on an H100 (benchmarks/NOTES.md): 512 blocks and 16 experts per layout program route
+# Measured on an H100 (DECISIONS.md): 512 blocks and 16 experts per layout program route
 # 16384 x top-8 of 256 experts in 51 us instead of 73 us (256 and 32), and tie elsewhere.
 ONE_BLOCK_MAX_STEPS = 4  # one program walks at most this many one-hot tiles
 TARGET_BLOCKS = 512  # programs of the count pass
@@ -181,7 +181,7 @@ def route_config(n_pairs: int, num_experts: int) -> RouteConfig:
 def copy_config(hidden: int, element_size: int) -> tuple[int, int]:
     """(BLOCK_H, num_warps) of the row copies: a whole row of up to 16 KB per step.
 
-    Measured on an H100 (benchmarks/NOTES.md): from 2 KB to 16 KB per step the configurations
+    Measured on an H100 (DECISIONS.md): from 2 KB to 16 KB per step the configurations
     with 4 or 8 warps are within 3% of each other at hidden 4096 and 7168 in bfloat16 (16 warps
     lose up to 10%); one step per row needs no loop.
     """
@@ -192,7 +192,7 @@ def copy_config(hidden: int, element_size: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=1024)
 def zero_config(hidden: int, element_size: int) -> tuple[int, int]:
-    """(ZERO_ROWS, ZERO_H): rows per zeroing program and columns per store (32 x 512: NOTES.md)."""
+    """(ZERO_ROWS, ZERO_H): rows per zeroing program and columns per store (32 x 512)."""
     return 32, min(next_pow2(max(hidden, 1)), 512)
 
 
@@ -273,7 +273,7 @@ def permute(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=
     zero_rows, zero_h = zero_config(hidden, x.element_size())
     if out_rows is None:
         # The one host sync. A pageable .tolist() measured 11 us of host time per call on the
-        # H100 host, a pinned non-blocking copy plus a stream sync 16 us (NOTES.md).
+        # H100 host, a pinned non-blocking copy plus a stream sync 16 us (DECISIONS.md).
         total, n_invalid, *mismatches = status.tolist()
         if n_invalid or any(mismatches):
             check_routing_values(top_experts, tokens_per_expert, num_experts)

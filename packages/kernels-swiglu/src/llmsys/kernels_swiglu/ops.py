@@ -51,7 +51,7 @@ def _valid(*tensors) -> bool:
 def launch_config(n_elements: int) -> tuple[int, int]:
     """(BLOCK_SIZE, num_warps) for a flat tensor of ``n_elements``.
 
-    Measured on an H100 (benchmarks/NOTES.md): small tensors want small blocks so that every
+    Measured on an H100 (DECISIONS.md): small tensors want small blocks so that every
     SM has work; from 2**20 elements up, 4096 elements per program (16 per thread) was within
     1% of the best of 512 to 16384 in both dtypes.
     """
