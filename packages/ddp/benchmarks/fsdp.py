@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from strategies import nccl_kernel_ms, release, slowest
+from strategies import nccl_kernel_ms, release, slowest, timed_steps
 
 from llmsys.ddp import FSDP, DDPBucketed, init_distributed, local_device
 from llmsys.profiling import accounting, memory_model, results, training
@@ -50,15 +50,20 @@ LARGEST = {  # name: (d_model, d_ff, layers, heads) of models too large to train
 
 
 def fsdp2(model, bf16: bool):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # The mesh on the model's device: fully_shard's default is CUDA whenever a GPU exists, which
+    # fails for gloo ranks on a GPU host.
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
     )
     for module in model.modules():
         if isinstance(module, TransformerBlock):
-            fully_shard(module, mp_policy=policy)
-    return fully_shard(model, mp_policy=policy)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def sharded_optimizer_ddp(model):
@@ -142,22 +147,7 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
     tokens, targets = training.random_batch(config, args.batch_size, args.context_length, device)
     autocast = STRATEGIES[name].autocast
     step = functools.partial(train_step, model, optimizer, tokens, targets, autocast)
-    for _ in range(args.warmup):
-        step()
-    training.synchronize(device)
-    on_gpu = device.type == "cuda"
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.steps):
-        if world_size > 1:
-            dist.barrier()
-        training.synchronize(device)
-        started = time.perf_counter()
-        step()
-        training.synchronize(device)
-        times.append(time.perf_counter() - started)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
+    times, peak = timed_steps(step, args.warmup, args.steps, device, world_size)
     communicates = STRATEGIES[name].wrap is not None and world_size > 1
     measured = {
         "times_ms": [slowest(t, device) * 1e3 for t in times],

@@ -108,6 +108,30 @@ def nccl_kernel_ms(step: Callable[[], None], device: torch.device) -> float | No
     return sum(e.device_time_total for e in events if "nccl" in e.name.lower()) / 1e3
 
 
+def timed_steps(
+    step: Callable[[], object], warmup: int, steps: int, device: torch.device, world_size: int
+) -> tuple[list[float], float | None]:
+    """Seconds of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones, every rank
+    starting each together, and the peak GiB allocated while they ran (None off CUDA)."""
+    for _ in range(warmup):
+        step()
+    training.synchronize(device)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        if world_size > 1:
+            dist.barrier()  # every rank starts the step together: less noise between runs
+        training.synchronize(device)
+        started = time.perf_counter()
+        step()
+        training.synchronize(device)
+        times.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
+    return times, peak
+
+
 def measure(name: str, args, config: ModelConfig, device, rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = TransformerLM(config, device=device)
@@ -118,26 +142,11 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
     torch.manual_seed(1 + rank)  # each rank its own slice of data
     tokens, targets = training.random_batch(config, args.batch_size, args.context_length, device)
     step = functools.partial(train_step, model, optimizer, tokens, targets, args.dtype)
-    for _ in range(args.warmup):
-        step()
-    training.synchronize(device)
-    on_gpu = device.type == "cuda"
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.steps):
-        if world_size > 1:
-            dist.barrier()  # every rank starts the step together: less noise between runs
-        training.synchronize(device)
-        started = time.perf_counter()
-        step()
-        training.synchronize(device)
-        times.append(time.perf_counter() - started)
+    times, peak = timed_steps(step, args.warmup, args.steps, device, world_size)
     started = time.perf_counter()
     step()  # how long the host takes to issue a step: near the step time, the host is the limit
     host_ms = (time.perf_counter() - started) * 1e3
     training.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
     comm = nccl_kernel_ms(step, device) if wrap is not None and world_size > 1 else 0.0
     measured = {
         "times_ms": [slowest(t, device) * 1e3 for t in times],

@@ -139,14 +139,20 @@ def test_decoding_one_token_over_a_dynamic_cache(device, calls):
     assert calls[-1] == ((2, HEADS, 1, 16), (2, KV_HEADS, 9, 16), False)
 
 
-def test_greedy_generate_matches_the_stock_model(device):
+def test_greedy_generate_picks_the_stock_models_best_token_every_step(device):
     ours, stock = model_pair(device)
     ids = torch.randint(0, VOCAB, (2, 6), device=device)
     options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         got = ours.generate(ids, attention_mask=torch.ones_like(ids), **options)
-        want = stock.generate(ids, **options)
-    assert torch.equal(got, want)
+        # the float64 stock model's scores for each generated token, given the tokens before it
+        scores = stock(got).logits[:, ids.shape[1] - 1 : -1]  # (2, 4, VOCAB)
+    assert got.shape == (2, 10) and torch.equal(got[:, :6], ids)
+    chosen = scores.gather(-1, got[:, 6:, None]).squeeze(-1)
+    # Random weights give near-flat logits: where two tokens tie within float32's (TF32's on
+    # CUDA) rounding, either is a correct greedy choice, so the check is the margin, not equality.
+    margin = scores.max(-1).values - chosen
+    assert (margin <= TOL[torch.device(device).type] * scores.abs().amax()).all(), margin
 
 
 def test_an_all_ones_attention_mask_is_no_mask(device):
