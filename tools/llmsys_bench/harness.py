@@ -47,6 +47,7 @@ __all__ = [
     "row",
     "save_figure",
     "sweep_arguments",
+    "sweep_command",
     "sweep_main",
     "time_ms",
     "timestamp",
@@ -248,6 +249,28 @@ def sweep_main(
             f"x_base={r.speedup_vs_baseline or 0:5.2f} {r.config}"
         )
     return rows
+
+
+def sweep_command(
+    argv: list[str] | None,
+    doc: str,
+    results: Path,
+    run: Callable[..., list[Row]],
+    plot: Callable[[list[Row], Path], Path],
+    *,
+    quick_help: str,
+    desc: str,
+) -> list[Row]:
+    """The whole ``main()`` of a sweep with only the shared command line (``sweep_arguments``,
+    described by the first line of the sweep's ``doc``): ``run(device, quick=..., progress=...)``
+    makes the rows, ``sweep_main`` does the rest (``desc``: the progress bar's label)."""
+    args = sweep_arguments(doc.splitlines()[0], results, quick_help).parse_args(argv)
+    return sweep_main(
+        args,
+        plot,
+        lambda progress: run(args.device, quick=args.quick, progress=progress),
+        desc=desc,
+    )
 
 
 def replot(csv_path: Path, plot: Callable[[list[Row], Path], Path]) -> Path:

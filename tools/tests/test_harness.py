@@ -82,3 +82,20 @@ def test_sweep_main_writes_the_csv_and_plot_then_replots_from_the_csv(tmp_path, 
     args = parser.parse_args(["--replot", str(tmp_path / "cpu.csv")])
     assert harness.sweep_main(args, plot, lambda progress: [], desc="test") == []
     assert plotted == [1, 1]
+
+
+def test_sweep_command_parses_the_shared_command_line_then_runs_the_sweep(tmp_path):
+    rows = [harness.row("k", "ours", "fwd", "8", "float32", (1.0, 2.0, 3.0))]
+    calls = []
+
+    def run(device, *, quick, progress):
+        calls.append((device, quick))
+        progress()
+        return rows
+
+    argv = ["--device", "cpu", "--quick", "--out", str(tmp_path)]
+    out = harness.sweep_command(
+        argv, "A sweep.\n\nMore.", tmp_path, run, lambda rows, path: path, quick_help="", desc="t"
+    )
+    assert out == rows and calls == [("cpu", True)]
+    assert harness.read_rows(tmp_path / "cpu.csv") == rows

@@ -311,15 +311,8 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = harness.sweep_arguments(
-        __doc__.splitlines()[0], RESULTS, quick_help="only M = 1, 16 and 16384"
-    )
-    args = parser.parse_args(argv)
-    harness.sweep_main(
-        args,
-        plot,
-        lambda progress: run(args.device, quick=args.quick, progress=progress),
-        desc="int8 sweep",
+    harness.sweep_command(
+        argv, __doc__, RESULTS, run, plot, quick_help="only M = 1, 16 and 16384", desc="int8 sweep"
     )
 
 

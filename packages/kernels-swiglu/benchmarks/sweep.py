@@ -177,14 +177,13 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = harness.sweep_arguments(
-        __doc__.splitlines()[0], RESULTS, quick_help="only the two smallest shapes"
-    )
-    args = parser.parse_args(argv)
-    harness.sweep_main(
-        args,
+    harness.sweep_command(
+        argv,
+        __doc__,
+        RESULTS,
+        run,
         plot,
-        lambda progress: run(args.device, quick=args.quick, progress=progress),
+        quick_help="only the two smallest shapes",
         desc="swiglu sweep",
     )
 

@@ -6,7 +6,7 @@ import torch
 
 from llmsys.triton_launch import checks
 
-from . import ops
+from . import ops  # noqa: F401 - registers torch.ops.llmsys.moe_*
 
 
 class _PermuteFunction(torch.autograd.Function):
@@ -41,6 +41,27 @@ class _UnpermuteFunction(torch.autograd.Function):
             grad_y, expert_out, row_index, routing_weights, weights_grad
         )
         return grad_src, None, grad_weights if weights_grad else None
+
+
+def _check_permute_arguments(x, top_experts, tokens_per_expert, topk, num_experts, align, out_rows):
+    """What the dispatcher would reject before the op could name the argument (non-tensors,
+    non-int sizes), and ``topk``, which the op does not take. The tensors' dtypes, shapes and
+    devices are checked once, in the op (``ops.check_permute_inputs``, which repeats the int
+    checks for direct calls of the op)."""
+    op = "padded_moe_permute"
+    checks.tensors(op, x=x, top_experts=top_experts, tokens_per_expert=tokens_per_expert)
+    checks.integer(op, "topk", topk, 1)
+    checks.integer(op, "num_experts", num_experts, 1)
+    checks.integer(op, "align", align, 1)
+    if out_rows is not None:
+        checks.integer(op, "out_rows", out_rows, 0)
+    if top_experts.dim() == 2 and top_experts.shape[1] != topk:  # other ranks: the op says so
+        raise ValueError(
+            f"{op}: `top_experts` must have topk={topk} columns, got shape "
+            f"{tuple(top_experts.shape)}"
+        )
+    if topk > num_experts:
+        raise ValueError(f"{op}: `topk` must be at most num_experts={num_experts}, got {topk}")
 
 
 def padded_moe_permute(
@@ -102,17 +123,8 @@ def padded_moe_permute(
     whose row would be ``out_rows`` or more are dropped (``row_index`` -1, no row written), and
     every row that no pair fills is zero. Counts larger than the histogram leave zero rows.
     """
+    _check_permute_arguments(x, top_experts, tokens_per_expert, topk, num_experts, align, out_rows)
     args = (x, top_experts, tokens_per_expert, num_experts, align, out_rows)
-    ops.check_permute_inputs(*args)
-    op = "padded_moe_permute"
-    checks.integer(op, "topk", topk, 1)
-    if top_experts.shape[1] != topk:
-        raise ValueError(
-            f"{op}: `top_experts` must have topk={topk} columns, got shape "
-            f"{tuple(top_experts.shape)}"
-        )
-    if topk > num_experts:
-        raise ValueError(f"{op}: `topk` must be at most num_experts={num_experts}, got {topk}")
     if torch.is_grad_enabled() and x.requires_grad:
         out, padded, row_index = _PermuteFunction.apply(*args)
     else:
@@ -145,7 +157,14 @@ def moe_unpermute(
         TypeError: non-tensors, non-floating ``expert_out`` or weights, non-integer rows.
         ValueError: wrong shapes or mismatched devices.
     """
-    ops.check_unpermute_inputs(expert_out, row_index, routing_weights)
+    # The op checks the rest once (ops.check_unpermute_inputs).
+    checks.tensors(
+        "moe_unpermute",
+        ("routing_weights",),
+        expert_out=expert_out,
+        row_index=row_index,
+        routing_weights=routing_weights,
+    )
     needs_grad = expert_out.requires_grad
     if routing_weights is not None:
         needs_grad = needs_grad or routing_weights.requires_grad

@@ -1,16 +1,15 @@
-"""Input checks, launch configurations, launchers and the ``torch.ops.llmsys.moe_*`` ops.
+"""Input checks, launchers and the ``torch.ops.llmsys.moe_*`` ops.
 
 Registered and launched the way every llmsys kernel package does it (``llmsys.triton_launch``);
-autograd lives in ``functional.py``. ``moe_permute`` with ``out_rows=None`` needs one host sync
-(the output's row count is data); that sync also brings back the validity of the routing, which
-the kernels compute for free. With ``out_rows`` nothing waits on the host and nothing
-data-dependent is checked (see ``padded_moe_permute``).
+autograd lives in ``functional.py``, the launch configurations in ``tuning.py``. The ops check
+their arguments; the public functions check only what the dispatcher would reject first and
+their own ``topk``, so a call validates its tensors once. ``moe_permute`` with
+``out_rows=None`` needs one host sync (the output's row count is data); that sync also brings
+back the validity of the routing, which the kernels compute for free. With ``out_rows`` nothing
+waits on the host and nothing data-dependent is checked (see ``padded_moe_permute``).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import torch
 import triton.language as tl
@@ -18,15 +17,14 @@ import triton.language as tl
 from llmsys.triton_launch import checks, define_op, launch, runs_under_interpreter
 
 from .kernels import (
-    moe_count_kernel,
-    moe_layout_kernel,
     moe_mark_rows_kernel,
     moe_permute_kernel,
-    moe_route_one_block_kernel,
     moe_unpermute_bwd_kernel,
     moe_unpermute_kernel,
 )
 from .reference import moe_unpermute_reference, padded_moe_permute_reference
+from .routing_kernels import moe_count_kernel, moe_layout_kernel, moe_route_one_block_kernel
+from .tuning import RouteConfig, cdiv, copy_config, next_pow2, route_config, zero_config
 
 NAMESPACE = "llmsys"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -130,76 +128,6 @@ def check_unpermute_inputs(expert_out, row_index, routing_weights) -> None:
     )
 
 
-# --- launch configurations -----------------------------------------------------------------------
-
-
-def cdiv(a: int, b: int) -> int:
-    # Plain Python: triton.cdiv and triton.next_power_of_2 are jit-wrapped and cost microseconds
-    # per call on the host, which the small cases pay several times (DECISIONS.md).
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-@dataclasses.dataclass(frozen=True)
-class RouteConfig:
-    """How the routing passes split the pairs: ``n_blocks == 1`` is the one-program path."""
-
-    chunk: int  # pairs per one-hot tile
-    expert_tile: int  # experts per one-hot tile
-    pairs_per_block: int
-    n_blocks: int
-    layout_tile: int  # experts per program of moe_layout_kernel
-    num_warps: int = 4  # of moe_count_kernel
-
-
-# Measured on an H100 (DECISIONS.md): 512 blocks and 16 experts per layout program route
-# 16384 x top-8 of 256 experts in 51 us instead of 73 us (256 and 32), and tie elsewhere.
-ONE_BLOCK_MAX_STEPS = 4  # one program walks at most this many one-hot tiles
-TARGET_BLOCKS = 512  # programs of the count pass
-LAYOUT_TILE = 16  # experts per program of the layout pass
-COUNT_WARPS = 4
-
-
-@functools.lru_cache(maxsize=1024)
-def route_config(n_pairs: int, num_experts: int) -> RouteConfig:
-    expert_tile = min(next_pow2(num_experts), 256)
-    chunk = max(8192 // expert_tile, 16)  # (chunk, expert_tile) one-hot tiles of 8192 ints
-    chunk = min(chunk, max(next_pow2(n_pairs), 16))
-    steps = cdiv(n_pairs, chunk) * cdiv(num_experts, expert_tile)
-    if steps <= ONE_BLOCK_MAX_STEPS:
-        return RouteConfig(chunk, expert_tile, max(n_pairs, 1), 1, expert_tile)
-    per_block = chunk * cdiv(n_pairs, TARGET_BLOCKS * chunk)
-    layout_tile = min(expert_tile, LAYOUT_TILE)
-    n_blocks = cdiv(n_pairs, per_block)
-    return RouteConfig(chunk, expert_tile, per_block, n_blocks, layout_tile, COUNT_WARPS)
-
-
-@functools.lru_cache(maxsize=1024)
-def copy_config(hidden: int, element_size: int) -> tuple[int, int]:
-    """(BLOCK_H, num_warps) of the row copies: a whole row of up to 16 KB per step.
-
-    Measured on an H100 (DECISIONS.md): from 2 KB to 16 KB per step the configurations
-    with 4 or 8 warps are within 3% of each other at hidden 4096 and 7168 in bfloat16 (16 warps
-    lose up to 10%); one step per row needs no loop.
-    """
-    block = min(next_pow2(max(hidden, 1)), 16384 // element_size)
-    num_warps = min(max(block * element_size // 2048, 4), 8)
-    return block, num_warps
-
-
-@functools.lru_cache(maxsize=1024)
-def zero_config(hidden: int, element_size: int) -> tuple[int, int]:
-    """(ZERO_ROWS, ZERO_H): rows per zeroing program and columns per store (32 x 512)."""
-    return 32, min(next_pow2(max(hidden, 1)), 512)
-
-
-def _compute_dtype(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 # --- moe_permute ---------------------------------------------------------------------------------
 
 
@@ -250,7 +178,7 @@ def _route(top_experts, tokens_per_expert, num_experts, align, padded, cfg: Rout
 
 
 def permute(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=None):
-    """The permute without the argument checks (``check_permute_inputs`` ran already)."""
+    """The permute after ``check_permute_inputs``."""
     if not x.is_cuda and not CPU_RUNS_TRITON:
         check_routing_values(top_experts, tokens_per_expert, num_experts)
         topk = top_experts.shape[1]
@@ -314,8 +242,12 @@ def _moe_permute_fake(x, top_experts, tokens_per_expert, num_experts, align=128,
 # --- moe_unpermute -------------------------------------------------------------------------------
 
 
+def _compute_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
 def unpermute(expert_out, row_index, routing_weights=None):
-    """The unpermute without the argument checks (``check_unpermute_inputs`` ran already)."""
+    """The unpermute after ``check_unpermute_inputs``."""
     if not expert_out.is_cuda and not CPU_RUNS_TRITON:
         return moe_unpermute_reference(expert_out, row_index, routing_weights)
     num_tokens, topk = row_index.shape
