@@ -126,3 +126,14 @@ def test_profiler_hooks_see_every_launch():
     finally:
         hooks.remove(seen.append)
     assert len(seen) == 1
+
+
+def test_host_grid_arithmetic_agrees_with_tritons():
+    from llmsys.triton_launch import cdiv, next_power_of_2
+
+    for n in range(1, 2**13 + 2):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 200):
+        for b in (1, 2, 3, 16, 64, 127, 128):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    assert next_power_of_2(0) == 1

@@ -21,9 +21,15 @@ import dataclasses
 import math
 
 import torch
-import triton
 
-from llmsys.triton_launch import checks, define_op, launch, runs_under_interpreter
+from llmsys.triton_launch import (
+    cdiv,
+    checks,
+    define_op,
+    launch,
+    next_power_of_2,
+    runs_under_interpreter,
+)
 
 from . import kernels
 from .flash_torch import check_causal_and_scale, flash_backward_torch, flash_forward_torch
@@ -105,7 +111,7 @@ class TileConfig:
 
 def block_d(head_dim: int) -> int:
     """``head_dim`` padded to a power of two of at least 16 (``tl.dot``'s smallest K)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 # (forward, dK/dV, dQ) by padded head dim, for 16-bit inputs. Candidates were compiled for sm_90
@@ -247,7 +253,7 @@ def flash_attn2_fwd_impl(
         if not _rows_fit_int32(q4, k4, v4):
             q4, k4, v4 = q4.contiguous(), k4.contiguous(), v4.contiguous()
         config = tile_configs(d, q.dtype)[0]
-        config, grid = _grid(config, batch * heads, triton.cdiv(n_q, config.block_m))
+        config, grid = _grid(config, batch * heads, cdiv(n_q, config.block_m))
         launch(
             kernels.attn_fwd_kernel,
             grid,
@@ -304,8 +310,8 @@ def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> Non
     kv_heads, n_k = k4.shape[1], k4.shape[2]
     group = heads // kv_heads
     _, dkdv_config, dq_config = tile_configs(d, q4.dtype)
-    dq_config, dq_grid = _grid(dq_config, batch * heads, triton.cdiv(n_q, dq_config.block_m))
-    n_key_tiles = triton.cdiv(n_k, dkdv_config.block_n)
+    dq_config, dq_grid = _grid(dq_config, batch * heads, cdiv(n_q, dq_config.block_m))
+    n_key_tiles = cdiv(n_k, dkdv_config.block_n)
     dkdv_config, dkdv_grid = _grid(dkdv_config, batch * kv_heads, n_key_tiles)
     delta = _alloc((batch, heads, n_q), torch.float32, q4.device)  # written by the dQ kernel
     launch(

@@ -19,9 +19,8 @@ import functools
 from contextlib import nullcontext
 
 import torch
-import triton
 
-from llmsys.triton_launch import checks, define_op, launch, runs_under_interpreter
+from llmsys.triton_launch import cdiv, checks, define_op, launch, runs_under_interpreter
 
 from . import tuning
 from .kernels import (
@@ -109,7 +108,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     config = tuning.quantize_config(m, k)
     launch(
         quantize_int8_perrow_kernel,
-        triton.cdiv(m, config.block_m),
+        cdiv(m, config.block_m),
         (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0)),
         {
             "BLOCK_M": config.block_m,
@@ -167,9 +166,9 @@ def tma_applies(config: tuning.MatmulConfig, a, b, out) -> bool:
 def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """(splits, K per split) for a K of ``k``: each split a multiple of ``block_k`` long and at
     most ``MAX_K_PER_SPLIT``, so a long K gets more splits than the config asks for."""
-    per_split = triton.cdiv(triton.cdiv(max(k, 1), split_k), block_k) * block_k
+    per_split = cdiv(cdiv(max(k, 1), split_k), block_k) * block_k
     per_split = min(per_split, max(block_k, MAX_K_PER_SPLIT // block_k * block_k))
-    return triton.cdiv(max(k, 1), per_split), per_split
+    return cdiv(max(k, 1), per_split), per_split
 
 
 def _launch_tma(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) -> None:
@@ -179,7 +178,7 @@ def _launch_tma(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) 
     c_desc = a_desc  # never read without TMA_STORE
     if config.tma_store:
         c_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2])
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
     programs = min(tiles, sm_count(a.device))
     launch(
         perrow_w8a8_matmul_tma_kernel,
@@ -208,7 +207,7 @@ def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out
         return
     (m, k), n = a.shape, b.shape[1]
     splits, per_split = split_plan(k, config.block_k, config.split_k)
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
     has_bias = bias is not None
     bias_arg = bias if has_bias else b_scale  # never read
     if splits == 1:
@@ -236,7 +235,7 @@ def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out
     )  # fmt: skip
     if splits > 1:
         block_m, block_n = 32, 128
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        grid = (cdiv(m, block_m), cdiv(n, block_n))
         launch(
             splitk_epilogue_kernel,
             grid,

@@ -17,6 +17,8 @@ from collections.abc import Callable
 import torch
 import triton
 
+from llmsys.triton_launch import cdiv, next_power_of_2
+
 AUTOTUNE = os.environ.get("LLMSYS_INT8_AUTOTUNE", "1") != "0"
 TUNE_LOG = os.environ.get("LLMSYS_INT8_TUNE_LOG", "0") == "1"  # print every candidate's time
 
@@ -49,7 +51,7 @@ class MatmulConfig:
 
 def m_bucket(m: int) -> int:
     """The power of two at or above ``m`` (at least 16, at most 16384): the tuner's key for M."""
-    return min(max(16, triton.next_power_of_2(m)), 16384)
+    return min(max(16, next_power_of_2(m)), 16384)
 
 
 def matmul_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
@@ -88,7 +90,7 @@ def matmul_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
     block_m = bucket
     configs = []
     for block_n, block_k, stages in ((32, 256, 5), (64, 256, 4), (64, 128, 5)):
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        tiles = cdiv(m, block_m) * cdiv(n, block_n)
         for split_k in dict.fromkeys((1, _split_to_fill(tiles, k, block_k))):
             configs.append(
                 MatmulConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=stages)
@@ -127,11 +129,11 @@ def quantize_config(m: int, k: int) -> QuantizeConfig:
     4096 elements per program (2 rows of 2048 with 4 warps; 1 row of 4096 with 8); longer rows
     in two passes over blocks of 2048 or 4096 columns, whichever pads the row less.
     """
-    block_k = triton.next_power_of_2(max(k, 1))
+    block_k = next_power_of_2(max(k, 1))
     if block_k <= ONE_PASS_MAX_K:
-        block_m = max(1, min(4096 // block_k, triton.next_power_of_2(max(m, 1))))
+        block_m = max(1, min(4096 // block_k, next_power_of_2(max(m, 1))))
         return QuantizeConfig(block_m, block_k, True, 4 if block_k <= 2048 else 8)
-    block_k = min((4096, 2048), key=lambda b: (triton.cdiv(k, b) * b, -b))
+    block_k = min((4096, 2048), key=lambda b: (cdiv(k, b) * b, -b))
     return QuantizeConfig(1, block_k, False, 4)
 
 

@@ -14,7 +14,14 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from llmsys.triton_launch import checks, define_op, launch, runs_under_interpreter
+from llmsys.triton_launch import (
+    cdiv,
+    checks,
+    define_op,
+    launch,
+    next_power_of_2,
+    runs_under_interpreter,
+)
 
 from .kernels import (
     moe_mark_rows_kernel,
@@ -24,7 +31,7 @@ from .kernels import (
 )
 from .reference import moe_unpermute_reference, padded_moe_permute_reference
 from .routing_kernels import moe_count_kernel, moe_layout_kernel, moe_route_one_block_kernel
-from .tuning import RouteConfig, cdiv, copy_config, next_pow2, route_config, zero_config
+from .tuning import RouteConfig, copy_config, route_config, zero_config
 
 NAMESPACE = "llmsys"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -348,7 +355,7 @@ def _moe_unpermute_backward(grad_y, expert_out, row_index, routing_weights, weig
         ),
         {
             "TOPK": topk,
-            "TOPK_P2": next_pow2(topk),
+            "TOPK_P2": next_power_of_2(topk),
             "HAS_WEIGHTS": has_weights,
             "WEIGHTS_GRAD": weights_grad,
             "COMPUTE_DTYPE": _compute_dtype(expert_out.dtype),

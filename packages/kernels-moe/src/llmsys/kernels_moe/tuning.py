@@ -1,5 +1,5 @@
 """Launch configurations of the routing and copy kernels, each measured on an H100
-(DECISIONS.md), and the host arithmetic they need.
+(DECISIONS.md).
 """
 
 from __future__ import annotations
@@ -7,15 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-
-def cdiv(a: int, b: int) -> int:
-    # Plain Python: triton.cdiv and triton.next_power_of_2 are jit-wrapped and cost microseconds
-    # per call on the host, which the small cases pay several times (DECISIONS.md).
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+from llmsys.triton_launch import cdiv, next_power_of_2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +32,9 @@ COUNT_WARPS = 4
 
 @functools.lru_cache(maxsize=1024)
 def route_config(n_pairs: int, num_experts: int) -> RouteConfig:
-    expert_tile = min(next_pow2(num_experts), 256)
+    expert_tile = min(next_power_of_2(num_experts), 256)
     chunk = max(8192 // expert_tile, 16)  # (chunk, expert_tile) one-hot tiles of 8192 ints
-    chunk = min(chunk, max(next_pow2(n_pairs), 16))
+    chunk = min(chunk, max(next_power_of_2(n_pairs), 16))
     steps = cdiv(n_pairs, chunk) * cdiv(num_experts, expert_tile)
     if steps <= ONE_BLOCK_MAX_STEPS:
         return RouteConfig(chunk, expert_tile, max(n_pairs, 1), 1, expert_tile)
@@ -60,7 +52,7 @@ def copy_config(hidden: int, element_size: int) -> tuple[int, int]:
     with 4 or 8 warps are within 3% of each other at hidden 4096 and 7168 in bfloat16 (16 warps
     lose up to 10%); one step per row needs no loop.
     """
-    block = min(next_pow2(max(hidden, 1)), 16384 // element_size)
+    block = min(next_power_of_2(max(hidden, 1)), 16384 // element_size)
     num_warps = min(max(block * element_size // 2048, 4), 8)
     return block, num_warps
 
@@ -68,4 +60,4 @@ def copy_config(hidden: int, element_size: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=1024)
 def zero_config(hidden: int, element_size: int) -> tuple[int, int]:
     """(ZERO_ROWS, ZERO_H): rows per zeroing program and columns per store (32 x 512)."""
-    return 32, min(next_pow2(max(hidden, 1)), 512)
+    return 32, min(next_power_of_2(max(hidden, 1)), 512)

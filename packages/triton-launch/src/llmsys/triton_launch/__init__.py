@@ -4,7 +4,7 @@ packages: ``launch`` (a compiled kernel without ``JITFunction.run``'s per-call h
 whose errors name the argument)."""
 
 from . import checks
-from .launcher import launch, runs_under_interpreter
+from .launcher import cdiv, launch, next_power_of_2, runs_under_interpreter
 from .library import call_below_autograd, define_op, register_autograd
 
 __version__ = "0.2.0"
@@ -12,9 +12,11 @@ __version__ = "0.2.0"
 __all__ = [
     "__version__",
     "call_below_autograd",
+    "cdiv",
     "checks",
     "define_op",
     "launch",
+    "next_power_of_2",
     "register_autograd",
     "runs_under_interpreter",
 ]

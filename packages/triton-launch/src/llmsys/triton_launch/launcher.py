@@ -23,6 +23,19 @@ except ImportError:  # pragma: no cover - older triton
 _compiled: dict[tuple, object] = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host integers (grid sizes). ``triton.cdiv`` gives the same on the host
+    but goes through Triton's constexpr-function wrapper: about 4 us a call (DECISIONS.md), paid
+    several times per op."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two at or above ``n`` (1 for ``n <= 1``); ``triton.next_power_of_2``
+    on the host without its wrapper's cost."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def runs_under_interpreter(kernel) -> bool:
     """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (it runs CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"
