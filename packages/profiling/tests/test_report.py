@@ -78,3 +78,18 @@ def test_sweep_report_has_a_table_per_benchmark_and_a_plot(tmp_path):
     assert "7 of 8 rows; the per-kernel profile rows are in the CSV." in text
     assert "aten::mm" not in text
     assert sweep.plot(rows, tmp_path / "p.png").stat().st_size > 0
+
+
+def test_a_row_without_a_time_reads_back_and_shows_an_empty_cell(tmp_path):
+    # A case that could not run (an unsupported backend) has no p50; written by pandas it is an
+    # empty cell, which reads back as None.
+    path = tmp_path / "rows.csv"
+    fields = list(results.Row.__dataclass_fields__)
+    values = ["attention", "sdpa_flash", "fwd", "1x1x128x16", "float32", "", "", "", "ms"]
+    values += [""] * (len(fields) - len(values))
+    path.write_text(",".join(fields) + "\n" + ",".join(values) + "\n")
+    (skipped,) = results.read_rows(path)
+    assert skipped.p50 is None
+    table = results.markdown_table([skipped, row("attention", "ours", mode="fwd")])
+    assert "| attention | fwd | float32 | 1x1x128x16 | sdpa_flash |  |" in table
+    assert "2 ms" in table

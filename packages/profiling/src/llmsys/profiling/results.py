@@ -154,7 +154,7 @@ def markdown_table(rows: list[Row]) -> str:
         rule + ("---:|" if with_memory else ""),
     ]
     for r in rows:
-        p50 = "" if math.isnan(r.p50) else f"{r.p50:.4g} {r.unit}"
+        p50 = "" if r.p50 is None or math.isnan(r.p50) else f"{r.p50:.4g} {r.unit}"
         if r.std is not None and p50:
             p50 = f"{r.p50:.4g} ± {r.std:.2g} {r.unit}"
         throughput = f"{_readable(r.throughput)} {r.throughput_unit}" if r.throughput else ""
