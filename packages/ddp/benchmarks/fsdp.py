@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from strategies import nccl_kernel_ms, release, slowest, timed_steps
+from strategies import nccl_kernel_ms, release, run_fields, slowest, timed_steps
 
 from llmsys.ddp import FSDP, DDPBucketed, init_distributed, local_device
 from llmsys.profiling import accounting, memory_model, results, training
@@ -194,12 +194,7 @@ def rows_for(measured: dict, args, config, world_size, device) -> list[results.R
                 roofline_fraction=flops / (p50 / 1e3) / peak if peak else None,
                 speedup_vs_baseline=alone_ms / p50 if alone_ms else None,
                 config="; ".join(notes),
-                gpu=results.device_name(device),
-                version=torch.__version__,
-                timestamp=results.timestamp(),
-                mean=statistics.fmean(m["times_ms"]),
-                std=statistics.pstdev(m["times_ms"]),
-                memory_gib=m["peak_gib"],
+                **run_fields(m, device),
             )
         )
     return rows

@@ -173,6 +173,18 @@ def release(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         param.data = torch.empty(0, device=param.device)
 
 
+def run_fields(measured: dict, device: torch.device) -> dict:
+    """The fields of a strategy's row that say where and when it ran and how its steps spread."""
+    return dict(
+        gpu=results.device_name(device),
+        version=torch.__version__,
+        timestamp=results.timestamp(),
+        mean=statistics.fmean(measured["times_ms"]),
+        std=statistics.pstdev(measured["times_ms"]),
+        memory_gib=measured["peak_gib"],
+    )
+
+
 def rows_for(measured: dict[str, dict], args, config, world_size, device) -> list[results.Row]:
     tokens = world_size * args.batch_size * args.context_length
     flops = accounting.step_flops(config, args.batch_size, args.context_length, "train-step")
@@ -207,12 +219,7 @@ def rows_for(measured: dict[str, dict], args, config, world_size, device) -> lis
                 roofline_fraction=flops / (p50 / 1e3) / peak if peak else None,
                 speedup_vs_baseline=anchor_ms / p50 if anchor_ms else None,
                 config="; ".join(n for n in notes if n),
-                gpu=results.device_name(device),
-                version=torch.__version__,
-                timestamp=results.timestamp(),
-                mean=statistics.fmean(m["times_ms"]),
-                std=statistics.pstdev(m["times_ms"]),
-                memory_gib=m["peak_gib"],
+                **run_fields(m, device),
             )
         )
     return rows
