@@ -15,6 +15,21 @@ for), calls ``fn(rank, world_size, **kwargs)`` and leaves the group. A rank that
 whole run fail with every rank's output; a rank still running after ``timeout`` seconds (a
 collective waiting for a peer that will never come) is killed and the run fails saying so. No
 test can hang CI.
+
+Spawning ranks costs seconds (each imports torch), so a test module with several checks on the
+same world size can run them in turn in one process group, once, from a module-scoped fixture:
+
+    CHECKS = {"broadcast": (check_broadcast, {"size": 7}), "gather": (check_gather, {})}
+
+    @pytest.fixture(scope="module")
+    def two_ranks():
+        return run_in_turn(CHECKS, world_size=2)
+
+    def test_broadcast(two_ranks):
+        two_ranks.check("broadcast")  # raises that check's RankFailure, with its traceback
+
+Every check starts from the default dtype and random state its group's processes started with. A
+failed check stops the group; the checks after it run in a fresh group, so each has its verdict.
 """
 
 from __future__ import annotations
@@ -106,14 +121,93 @@ def _wait(procs: list, timeout: float) -> list[str]:
     return problems
 
 
+class InTurn:
+    """What ``run_in_turn`` found: the failure of each check that failed, by name."""
+
+    def __init__(self, names: list[str], failures: dict[str, RankFailure]) -> None:
+        self.names, self.failures = names, failures
+
+    def check(self, name: str) -> None:
+        """Raise the check's failure, if it failed."""
+        if name not in self.names:
+            raise KeyError(f"no check named {name!r}; there are {self.names}")
+        if name in self.failures:
+            raise self.failures[name]
+
+
+def run_in_turn(
+    checks: dict[str, tuple[Callable[..., object], dict[str, object]]],
+    world_size: int = 2,
+    *,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+) -> InTurn:
+    """Run each ``name: (fn, kwargs)`` check as ``fn(rank, world_size, **kwargs)``, one after
+    another in one process group of ``world_size`` ranks (``timeout`` for the whole group)."""
+    for fn, _ in checks.values():
+        if not callable(fn) or fn.__name__ != fn.__qualname__:
+            raise TypeError(f"each check must be a module-level function, got {fn!r}")
+    failures: dict[str, RankFailure] = {}
+    pending = list(checks.items())
+    while pending:
+        calls = [(inspect.getfile(fn), fn.__name__, kwargs) for _, (fn, kwargs) in pending]
+        with tempfile.TemporaryDirectory() as marks:
+            try:
+                run_ranks(
+                    _in_turn, world_size, timeout=timeout, backend=backend, calls=calls, marks=marks
+                )
+                failure = None
+            except RankFailure as error:
+                failure = error
+            passed = 0  # checks that every rank finished
+            while passed < len(pending) and all(
+                Path(marks, f"{passed}.{rank}").exists() for rank in range(world_size)
+            ):
+                passed += 1
+        if failure is None:
+            break
+        failed = pending[min(passed, len(pending) - 1)][0]
+        before = [name for name, _ in pending[:passed]]
+        failures[failed] = RankFailure(
+            f"check {failed!r} failed (after {before} in the same process group): {failure}"
+        )
+        pending = pending[passed + 1 :]
+    return InTurn(list(checks), failures)
+
+
+def _in_turn(rank: int, world_size: int, calls: list, marks: str) -> None:
+    """Rank side of ``run_in_turn``: each check from the same state, a mark once it passed."""
+    import torch
+    import torch.distributed as dist
+
+    dtype, random_state = torch.get_default_dtype(), torch.random.get_rng_state()
+    for index, (path, name, kwargs) in enumerate(calls):
+        torch.set_default_dtype(dtype)
+        torch.random.set_rng_state(random_state)
+        _load(path, name)(rank, world_size, **kwargs)
+        dist.barrier()
+        Path(marks, f"{index}.{rank}").touch()
+
+
+_loaded: dict[str, object] = {}  # test files this rank imported, by path
+
+
+def _load(path: str, name: str) -> Callable[..., object]:
+    """The function ``name`` of the file at ``path``, which is imported once per process."""
+    if path not in _loaded:
+        spec = importlib.util.spec_from_file_location(f"_ranks_{Path(path).stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(Path(path).parent))  # siblings of the test file import as in pytest
+        spec.loader.exec_module(module)
+        _loaded[path] = module
+    return getattr(_loaded[path], name)
+
+
 def _rank_main(job_file: str) -> None:
     import torch.distributed as dist
 
     path, name, backend, kwargs = pickle.loads(Path(job_file).read_bytes())
-    spec = importlib.util.spec_from_file_location(f"_ranks_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(Path(path).parent))  # siblings of the test file import as in pytest
-    spec.loader.exec_module(module)
+    fn = _load(path, name)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if backend == "nccl":
         import torch
@@ -121,7 +215,7 @@ def _rank_main(job_file: str) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend)
     try:
-        getattr(module, name)(rank, world_size, **kwargs)
+        fn(rank, world_size, **kwargs)
         dist.barrier()  # nobody tears down while a peer still talks to it (gloo aborted, -6)
     finally:
         dist.destroy_process_group()

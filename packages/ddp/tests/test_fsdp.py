@@ -16,6 +16,7 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 from llmsys.ddp import FSDP
+from llmsys_dev.ranks import run_in_turn
 
 BATCH, STEPS = 12, 3  # a batch of 12 splits evenly over 1, 2 or 3 ranks
 
@@ -227,9 +228,18 @@ def check_training(rank, world_size, kind, checkpoint_path=None):
         check_clip_grad_norm(rank, world_size)
 
 
+@pytest.fixture(scope="module")
+def two_ranks():
+    """This module's 2-rank checks, in turn in one process group (one spawn instead of 4)."""
+    checks = {kind: (check_training, {"kind": kind}) for kind in MODELS}
+    checks["float32"] = (check_float32_bit_for_bit, {})
+    checks["compute dtypes"] = (check_compute_dtypes, {})
+    return run_in_turn(checks, world_size=2, timeout=400)
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_matches_single_process_training(run_ranks, kind):
-    run_ranks(check_training, kind=kind)
+def test_matches_single_process_training(two_ranks, kind):
+    two_ranks.check(kind)
 
 
 def test_three_ranks_pad_uneven_slices_and_load_a_one_rank_checkpoint(run_ranks, tmp_path):
@@ -305,8 +315,8 @@ def check_float32_bit_for_bit(rank, world_size):
                 torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6)
 
 
-def test_float32_bit_for_bit(run_ranks):
-    run_ranks(check_float32_bit_for_bit)
+def test_float32_bit_for_bit(two_ranks):
+    two_ranks.check("float32")
 
 
 def check_compute_dtypes(rank, world_size):
@@ -325,8 +335,8 @@ def check_compute_dtypes(rank, world_size):
         assert_matches(expected, model.gather_full_params(), f"{kind} in {dtype}", atol=atol)
 
 
-def test_compute_dtype_matches_single_process_casting_the_same_way(run_ranks):
-    run_ranks(check_compute_dtypes)
+def test_compute_dtype_matches_single_process_casting_the_same_way(two_ranks):
+    two_ranks.check("compute dtypes")
 
 
 def check_clip_grad_norm(rank, world_size):

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from llmsys.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, plan_buckets
+from llmsys_dev.ranks import run_in_turn
 
 STEPS, BATCH, LR = 5, 12, 0.1  # a batch of 12 splits evenly over 1, 2 or 3 ranks
 
@@ -184,9 +185,19 @@ def check_every_wrapper(rank: int, world_size: int, kind: str, device: str = "cp
             assert len(model.buckets) == count, (name, [b.indices for b in model.buckets])
 
 
+@pytest.fixture(scope="module")
+def two_ranks():
+    """This module's 2-rank checks, in turn in one process group (one spawn instead of 7)."""
+    checks = {kind: (check_every_wrapper, {"kind": kind}) for kind in MODELS}
+    checks["no_sync"] = (check_no_sync_and_unused, {})
+    checks["misuse"] = (check_misuse_is_named, {})
+    checks["bf16 wire"] = (check_bf16_wire, {})
+    return run_in_turn(checks, world_size=2, timeout=500)
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
-def test_matches_single_process_training(run_ranks, kind):
-    run_ranks(check_every_wrapper, kind=kind)
+def test_matches_single_process_training(two_ranks, kind):
+    two_ranks.check(kind)
 
 
 @pytest.mark.gpu
@@ -273,8 +284,8 @@ def check_no_sync_and_unused(rank: int, world_size: int) -> None:
         assert_same_weights(expected, model.module, name)
 
 
-def test_no_sync_accumulation_with_changing_and_unused_parameters(run_ranks):
-    run_ranks(check_no_sync_and_unused)
+def test_no_sync_accumulation_with_changing_and_unused_parameters(two_ranks):
+    two_ranks.check("no_sync")
 
 
 def check_misuse_is_named(rank: int, world_size: int) -> None:
@@ -330,8 +341,8 @@ def check_misuse_is_named(rank: int, world_size: int) -> None:
         DDPNaive(nn.Linear(6, 3 if rank == 0 else 4))
 
 
-def test_misuse_gets_errors_naming_parameters_not_hangs(run_ranks):
-    run_ranks(check_misuse_is_named, timeout=180)
+def test_misuse_gets_errors_naming_parameters_not_hangs(two_ranks):
+    two_ranks.check("misuse")
 
 
 def check_bf16_wire(rank: int, world_size: int) -> None:
@@ -358,8 +369,8 @@ def check_bf16_wire(rank: int, world_size: int) -> None:
     assert all(p.grad.dtype == torch.float32 for p in compressed.params)
 
 
-def test_bf16_gradients_on_the_wire_follow_the_float32_loss_curve(run_ranks):
-    run_ranks(check_bf16_wire)
+def test_bf16_gradients_on_the_wire_follow_the_float32_loss_curve(two_ranks):
+    two_ranks.check("bf16 wire")
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,14 @@
 """ShardedOptimizer on 2 gloo ranks (CPU), against unsharded training in one process.
 
-Each ``check_*`` function runs on every rank (``run_ranks`` spawns them) and asserts there:
+Each ``check_*`` function runs on every rank (``run_in_turn`` runs them one after another in
+one process group of 2 spawned ranks, each from the same state) and asserts there:
 every rank builds the same seeded model, computes the unsharded reference itself (a plain
 optimizer on the whole batch), then trains the sharded way on its half of each batch with
 averaged gradients, and compares. Related checks share one spawn: each costs seconds of start-up.
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from sharded_optim_helpers import (
 from torch import nn
 
 from llmsys.sharded_optim import ShardedOptimizer, resync
+from llmsys_dev.ranks import run_in_turn
 
 STEPS = 4
 TIMEOUT = 120
@@ -117,15 +120,47 @@ def odd_layouts_match_unsharded(rank: int, world_size: int) -> None:
 
 
 def check_training_matches_unsharded(rank: int, world_size: int) -> None:
-    tiny_lm_matches_unsharded(rank, world_size)
-    odd_layouts_match_unsharded(rank, world_size)
+    default = resync.BUCKET_BYTES
+    try:
+        tiny_lm_matches_unsharded(rank, world_size)
+        odd_layouts_match_unsharded(rank, world_size)
+    finally:  # the checks after this one in the process group run with the default cap
+        resync.BUCKET_BYTES = default
 
 
-def test_training_matches_unsharded(run_ranks):
+def single_process_checkpoint(folder: Path) -> Path:
+    """A ShardedOptimizer's checkpoint (with its model) after 3 steps in one process without a
+    process group, for ``check_checkpoints_across_world_sizes``."""
+    optimizer_cls, kwargs = OPTIMIZERS["adamw"]
+    model = make_model()
+    optimizer = ShardedOptimizer(param_groups(model), optimizer_cls, **kwargs)
+    train(model, optimizer, 3)
+    optimizer.consolidate_state_dict()
+    checkpoint = folder / "one-process.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint)
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """This module's 2-rank checks, in turn in one process group (one spawn instead of 4)."""
+    scratch = tmp_path_factory.mktemp("checkpoints")
+    checkpoints = {"single_process_checkpoint": str(single_process_checkpoint(scratch)),
+                   "scratch": str(scratch)}  # fmt: skip
+    checks = {
+        "training": (check_training_matches_unsharded, {}),
+        "scheduler": (check_scheduler_clipping_and_new_group, {}),
+        "checkpoints": (check_checkpoints_across_world_sizes, checkpoints),
+        "one rank failing": (check_one_rank_failing_does_not_hang, {}),
+    }
+    return run_in_turn(checks, world_size=2, timeout=4 * TIMEOUT)
+
+
+def test_training_matches_unsharded(two_ranks):
     """AdamW and SGD with momentum, every bucket path: a model with frozen, tied and
     gradient-less parameters in two groups with their own learning rates; mixed dtypes and a
     non-contiguous parameter; a rank that owns nothing; ranks with different parameters."""
-    run_ranks(check_training_matches_unsharded, world_size=2, timeout=TIMEOUT)
+    two_ranks.check("training")
 
 
 def check_scheduler_clipping_and_new_group(rank: int, world_size: int) -> None:
@@ -175,8 +210,8 @@ def check_scheduler_clipping_and_new_group(rank: int, world_size: int) -> None:
     assert_identical_on_every_rank(model)
 
 
-def test_scheduler_clipping_and_add_param_group(run_ranks):
-    run_ranks(check_scheduler_clipping_and_new_group, world_size=2, timeout=TIMEOUT)
+def test_scheduler_clipping_and_add_param_group(two_ranks):
+    two_ranks.check("scheduler")
 
 
 def check_checkpoints_across_world_sizes(
@@ -241,22 +276,9 @@ def check_checkpoints_across_world_sizes(
         optimizer.load_state_dict(full if rank == 0 else partial)
 
 
-def test_checkpoints_across_world_sizes(run_ranks, tmp_path):
+def test_checkpoints_across_world_sizes(two_ranks):
     """2 ranks -> 1 (plain AdamW), 2 -> 2, and 1 (no process group) -> 2."""
-    optimizer_cls, kwargs = OPTIMIZERS["adamw"]
-    model = make_model()
-    optimizer = ShardedOptimizer(param_groups(model), optimizer_cls, **kwargs)
-    train(model, optimizer, 3)
-    optimizer.consolidate_state_dict()
-    checkpoint = tmp_path / "one-process.pt"
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint)
-    run_ranks(
-        check_checkpoints_across_world_sizes,
-        world_size=2,
-        timeout=TIMEOUT,
-        single_process_checkpoint=str(checkpoint),
-        scratch=str(tmp_path),
-    )
+    two_ranks.check("checkpoints")
 
 
 def check_one_rank_failing_does_not_hang(rank: int, world_size: int) -> None:
@@ -272,8 +294,8 @@ def check_one_rank_failing_does_not_hang(rank: int, world_size: int) -> None:
     assert len(set(optimizer.plan.owners)) == 2  # the failure is on one rank only
 
 
-def test_a_step_failing_on_one_rank_does_not_hang_the_others(run_ranks):
-    run_ranks(check_one_rank_failing_does_not_hang, timeout=60)
+def test_a_step_failing_on_one_rank_does_not_hang_the_others(two_ranks):
+    two_ranks.check("one rank failing")
 
 
 def check_on_gpus_with_nccl(rank: int, world_size: int) -> None:
