@@ -28,6 +28,7 @@ from llmsys_dev.ranks import run_in_turn
 
 STEPS = 4
 TIMEOUT = 120
+DEFAULT_BUCKET_BYTES = resync.BUCKET_BYTES
 TRAINED = 5  # parameters of TinyLM that get gradients: embedding (= head), hidden x 2, out x 2
 
 
@@ -53,7 +54,7 @@ def assert_state_sharded(optimizer: ShardedOptimizer, rank: int) -> None:
 def tiny_lm_matches_unsharded(rank: int, world_size: int) -> None:
     # The default cap packs each owner's tensors into one buffer; 0 sends every tensor in
     # place; 200 bytes mixes both (the float64 embedding, 528 bytes, goes alone).
-    for bucket_bytes in (resync.BUCKET_BYTES, 0, 200):
+    for bucket_bytes in (DEFAULT_BUCKET_BYTES, 0, 200):
         resync.BUCKET_BYTES = bucket_bytes
         for name, (optimizer_cls, kwargs) in OPTIMIZERS.items():
             reference = make_model()
@@ -88,7 +89,7 @@ def odd_layouts_match_unsharded(rank: int, world_size: int) -> None:
                 dist.all_reduce(p.grad)
                 p.grad /= world_size
 
-    for bucket_bytes in (resync.BUCKET_BYTES, 0):
+    for bucket_bytes in (DEFAULT_BUCKET_BYTES, 0):
         resync.BUCKET_BYTES = bucket_bytes
         for optimizer_cls, kwargs in OPTIMIZERS.values():
             reference, params = make_params(), make_params()
@@ -120,12 +121,11 @@ def odd_layouts_match_unsharded(rank: int, world_size: int) -> None:
 
 
 def check_training_matches_unsharded(rank: int, world_size: int) -> None:
-    default = resync.BUCKET_BYTES
     try:
         tiny_lm_matches_unsharded(rank, world_size)
         odd_layouts_match_unsharded(rank, world_size)
     finally:  # the checks after this one in the process group run with the default cap
-        resync.BUCKET_BYTES = default
+        resync.BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 
 
 def single_process_checkpoint(folder: Path) -> Path:
