@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from llmsys.flash_attn2 import attention_reference
+from llmsys_dev.compare import relative_error
 
 
 def make_qkv(q_shape, kv_shape, dtype=torch.float32, device="cpu", scale=1.0):
@@ -29,13 +30,6 @@ def reference_with_grads(q, k, v, grad_out, causal, scale=None, upcast=True):
     out, lse = attention_reference(q, k, v, causal, scale, upcast=upcast)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
     return out.detach(), lse, dq, dk, dv
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64 (0 for two empty tensors)."""
-    expected = expected.double()
-    denominator = expected.norm().item() or 1.0
-    return (actual.double() - expected).norm().item() / denominator
 
 
 # Relative (norm-wise) error bound against the float64 spec, by dtype and device. On CPU the

@@ -4,7 +4,8 @@ cache), and every input the kernel cannot compute refused with its reason."""
 
 import pytest
 import torch
-from attn_helpers import relative_error
+
+from llmsys_dev.compare import assert_matches_stock, logits_and_grads, relative_error
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is an optional extra: llmsys-flash-attn2[transformers]"
@@ -66,20 +67,9 @@ def test_logits_and_gradients_match_the_stock_model(family, device, calls):
     ids = torch.randint(0, VOCAB, (2, 13), device=device)
     weight = torch.randn(2, 13, VOCAB, device=device)  # a random linear loss of the logits
 
-    results = []
-    for model in (ours, stock):
-        logits = model(ids).logits
-        (logits * weight.to(logits.dtype)).sum().backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        results.append((logits.detach(), grads))
-    (logits, grads), (want_logits, want_grads) = results
-
     tol = TOL[torch.device(device).type]
-    assert torch.isfinite(logits).all() and relative_error(logits, want_logits) < tol
-    assert grads.keys() == want_grads.keys()
-    for name, grad in grads.items():
-        assert torch.isfinite(grad).all(), name
-        assert relative_error(grad, want_grads[name]) < tol, name
+    got, want = logits_and_grads(ours, ids, weight), logits_and_grads(stock, ids, weight)
+    assert_matches_stock(got, want, tol)
     # one causal call per layer; the 2 key/value heads go in as they are (no repeat_kv copy)
     assert calls == [((2, HEADS, 13, 16), (2, KV_HEADS, 13, 16), True)] * LAYERS
 

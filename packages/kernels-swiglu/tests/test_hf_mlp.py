@@ -4,6 +4,8 @@ stock model in float64 (logits and every parameter's gradient), and the refusals
 import pytest
 import torch
 
+from llmsys_dev.compare import assert_matches_stock, logits_and_grads
+
 transformers = pytest.importorskip(
     "transformers", reason="transformers is an optional extra: llmsys-kernels-swiglu[transformers]"
 )
@@ -36,17 +38,6 @@ def tiny_model(family: str = "llama", **overrides):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    expected = expected.double()
-    return ((actual.double() - expected).norm() / expected.norm()).item()
-
-
-def logits_and_grads(model, ids, weight):
-    logits = model(ids).logits
-    (logits * weight.to(logits.dtype)).sum().backward()  # a random linear loss of the logits
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_patched_models_match_the_stock_model(family, device, monkeypatch):
     stock = tiny_model(family).to(device, torch.float64)
@@ -64,15 +55,9 @@ def test_patched_models_match_the_stock_model(family, device, monkeypatch):
 
     ids = torch.randint(0, VOCAB, (2, 9), device=device)
     weight = torch.randn(2, 9, VOCAB, device=device)
-    logits, grads = logits_and_grads(ours, ids, weight)
-    want_logits, want_grads = logits_and_grads(stock, ids, weight)
+    got, want = logits_and_grads(ours, ids, weight), logits_and_grads(stock, ids, weight)
     assert calls == [(2, 9, 48)] * LAYERS
-    tol = TOL[torch.device(device).type]
-    assert torch.isfinite(logits).all() and relative_error(logits, want_logits) < tol
-    assert grads.keys() == want_grads.keys()
-    for name, grad in grads.items():
-        assert torch.isfinite(grad).all(), name
-        assert relative_error(grad, want_grads[name]) < tol, name
+    assert_matches_stock(got, want, TOL[torch.device(device).type])
 
 
 def test_patching_twice_changes_nothing():
