@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -177,18 +177,29 @@ def row(
 
 def host_us_per_call(fn: Callable[[], object], *, calls: int = 2000, repeats: int = 5) -> float:
     """Median host cost of one call in a host-bound loop (no synchronization inside the loop)."""
-    for _ in range(100):
-        fn()
+    return host_us_side_by_side([fn], calls=calls, repeats=repeats)[0]
+
+
+def host_us_side_by_side(
+    fns: Sequence[Callable[[], object]], *, calls: int = 2000, repeats: int = 5
+) -> list[float]:
+    """``host_us_per_call`` of each of ``fns``, their loops taking turns: a host that speeds up or
+    slows down during the measurement (by 20% and more on a shared machine) moves them alike,
+    so their ratios hold."""
+    for fn in fns:
+        for _ in range(100):
+            fn()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
-    results = []
+    results: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        results.append((time.perf_counter() - start) / calls * 1e6)
-        sync()
-    return statistics.median(results)
+        for fn, times in zip(fns, results, strict=True):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+            sync()
+    return [statistics.median(times) for times in results]
 
 
 @cache

@@ -24,6 +24,7 @@ import argparse
 import csv
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,17 +38,18 @@ from llmsys.kernels_moe import moe_unpermute, padded_moe_permute
 from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.kernels import swiglu_fwd_kernel
-from llmsys.triton_launch import launch
-from llmsys_bench.harness import host_us_per_call
+from llmsys.triton_launch import call_below_autograd, launch
+from llmsys_bench.harness import host_us_side_by_side
 
 _keep_alive: list = []
 QWEN_GEMMS = ((2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048))  # (K, N)
 
 
-def host_us(fn) -> float:
-    """Median host microseconds per call over loops of 50 calls with no synchronize (50: the
-    largest GEMMs here must not fill the launch queue and turn the loop GPU-bound)."""
-    return host_us_per_call(fn, calls=50, repeats=21)
+def host_us(*fns) -> list[float]:
+    """Median host microseconds per call of each of ``fns``, side by side, over loops of 50 calls
+    with no synchronize (50: the largest GEMMs here must not fill the launch queue and turn the
+    loop GPU-bound)."""
+    return host_us_side_by_side(fns, calls=50, repeats=21)
 
 
 def wall_us(fn, calls: int = 50, repeats: int = 21) -> float:
@@ -109,13 +111,20 @@ def _jit_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def alternatives() -> dict:
     """name -> callable(a, b), each registered under the namespace llmsys_alt."""
-    found = {"kernel[grid], no op": _jit_impl, "llmsys launch, no op": _launch_impl}
+    found = {
+        "swiglu() (the public function, our path)": swiglu,
+        "swiglu_fwd's impl via call_below_autograd": partial(
+            call_below_autograd, swiglu_ops.swiglu_fwd
+        ),
+        "kernel[grid], no op": _jit_impl,
+        "llmsys launch, no op": _launch_impl,
+    }
     lib = torch.library.Library("llmsys_alt", "FRAGMENT")
     _keep_alive.append(lib)  # a Library's ops are deregistered when it is collected
     lib.define("lean(Tensor a, Tensor b) -> Tensor")
     for device in ("CPU", "CUDA"):
         lib.impl("lean", _launch_impl, device)
-    found["Library op + llmsys launch"] = torch.ops.llmsys_alt.lean
+    found["Library op + llmsys launch (the dispatcher trip)"] = torch.ops.llmsys_alt.lean
 
     lib.define("generic_autograd(Tensor a, Tensor b) -> Tensor")
     lib.impl("generic_autograd", _launch_impl, "CUDA")
@@ -152,7 +161,7 @@ def alternatives() -> dict:
 def rows() -> list[dict]:
     out = []
 
-    def row(kind, case, ours, baseline_name=None, baseline=None, target=None):
+    def row(kind, case, ours, baseline=None, target=None, baseline_name=None):
         entry = {
             "kind": kind,
             "case": case,
@@ -173,59 +182,60 @@ def rows() -> list[dict]:
             flush=True,
         )
 
+    def host_row(case, ours, baseline_name, baseline, target):
+        row("host", case, *host_us(ours, baseline), target, baseline_name=baseline_name)
+
     cuda = {"device": "cuda"}
     a, b = (torch.randn(128, 128, **cuda) for _ in range(2))
-    eager_swiglu = host_us(lambda: F.silu(a) * b)
-    row(
-        "host",
+    host_row(
         "swiglu_fwd op, 128x128 fp32",
-        host_us(lambda: torch.ops.llm_scaling_week.swiglu_fwd(a, b)),
+        lambda: torch.ops.llm_scaling_week.swiglu_fwd(a, b),
         "F.silu(a) * b",
-        eager_swiglu,
+        lambda: F.silu(a) * b,
         1.0,
     )
-    for name, fn in alternatives().items():
+    found = alternatives()
+    eager_swiglu, *costs = host_us(
+        lambda: F.silu(a) * b, *(partial(fn, a, b) for fn in found.values())
+    )
+    for name, cost in zip(found, costs, strict=True):
         row(
             "launch",
             f"swiglu fwd 128x128 fp32: {name}",
-            host_us(lambda fn=fn: fn(a, b)),
-            "F.silu(a) * b",
+            cost,
             eager_swiglu,
+            baseline_name="F.silu(a) * b",
         )
 
     a, b, g = (torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     a.requires_grad_(), b.requires_grad_()
-    row(
-        "host",
+    host_row(
         "swiglu forward+backward 1024x1024 bf16 (autograd.grad)",
-        host_us(lambda: torch.autograd.grad(swiglu(a, b), (a, b), g)),
+        lambda: torch.autograd.grad(swiglu(a, b), (a, b), g),
         "eager autograd",
-        host_us(lambda: torch.autograd.grad(F.silu(a) * b, (a, b), g)),
+        lambda: torch.autograd.grad(F.silu(a) * b, (a, b), g),
         1.0,
     )
 
     with torch.inference_mode():
         x1 = torch.randn(1, 2048, device="cuda", dtype=torch.float16)
-        row("host", "quantize_int8_perrow, M = 1, K 2048", host_us(lambda: quantize_rows(x1)))
+        row("host", "quantize_int8_perrow, M = 1, K 2048", *host_us(lambda: quantize_rows(x1)))
         w = torch.randn(22016, 2048, device="cuda", dtype=torch.float16) * 0.02  # (N, K)
         qw, w_scale = quantize_int8(w.t())
         qa, a_scale = quantize_rows(x1)
-        fp16_1 = host_us(lambda: x1 @ w.t())
         row(
             "host",
             "matmul_int8, M = 1, K 2048, N 22016",
-            host_us(lambda: matmul_int8(qa, a_scale, qw, w_scale)),
-            "fp16 a @ w",
-            fp16_1,
+            *host_us(lambda: matmul_int8(qa, a_scale, qw, w_scale), lambda: x1 @ w.t()),
+            baseline_name="fp16 a @ w",
         )
         for m in (1, 16, 16384):
             x = torch.randn(m, 2048, device="cuda", dtype=torch.float16)
-            row(
-                "host",
+            host_row(
                 f"matmul_quantize_int8, M = {m}, K 2048, N 22016",
-                host_us(lambda x=x: matmul_quantize_int8(x, qw, w_scale)),
+                lambda x=x: matmul_quantize_int8(x, qw, w_scale),
                 "fp16 a @ w",
-                host_us(lambda x=x: x @ w.t()),
+                lambda x=x: x @ w.t(),
                 2.0,
             )
         del w, qw
@@ -235,21 +245,19 @@ def rows() -> list[dict]:
     )
     sdpa = F.scaled_dot_product_attention
     with torch.no_grad():
-        row(
-            "host",
+        host_row(
             "flash_attention forward, 1x16x1024x64 bf16 causal",
-            host_us(lambda: flash_attention(q, k, v, causal=True)),
+            lambda: flash_attention(q, k, v, causal=True),
             "SDPA",
-            host_us(lambda: sdpa(q, k, v, is_causal=True)),
+            lambda: sdpa(q, k, v, is_causal=True),
             1.5,
         )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    row(
-        "host",
+    host_row(
         "flash_attention forward+backward, 1x16x1024x64 bf16 causal",
-        host_us(lambda: torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do)),
+        lambda: torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do),
         "SDPA",
-        host_us(lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), do)),
+        lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), do),
         1.5,
     )
 
@@ -275,24 +283,20 @@ def rows() -> list[dict]:
         return (sorted_rows[inverse].view(tokens, topk, hidden) * weights[..., None]).sum(1)
 
     with torch.no_grad():
-        row(
-            "host",
+        host_row(
             f"moe permute, {tokens} tokens top-{topk} of {experts}, out_rows given",
-            host_us(
-                lambda: padded_moe_permute(
-                    xm, top, counts, topk, experts, align=align, out_rows=rows_bound
-                )
+            lambda: padded_moe_permute(
+                xm, top, counts, topk, experts, align=align, out_rows=rows_bound
             ),
             "eager argsort permute",
-            host_us(eager_permute),
+            eager_permute,
             1.0,
         )
-        row(
-            "host",
+        host_row(
             f"moe unpermute, {tokens} tokens top-{topk}",
-            host_us(lambda: moe_unpermute(perm, row_index, weights)),
+            lambda: moe_unpermute(perm, row_index, weights),
             "eager gather + weighted sum",
-            host_us(eager_unpermute),
+            eager_unpermute,
             1.0,
         )
 
@@ -305,8 +309,9 @@ def rows() -> list[dict]:
                 ours = lambda x=x, qw=qw, s=w_scale: matmul_quantize_int8(x, qw, s)  # noqa: E731
                 fp16 = lambda x=x, w=w: x @ w.t()  # noqa: E731
                 case = f"int8 W8A8 M = {m}, K {k_dim}, N {n}"
-                row("wall", case, wall_us(ours), "fp16 x @ w.T", wall_us(fp16), 0.8)
-                row("graph", case, graph_us(ours), "fp16 x @ w.T", graph_us(fp16), 0.7)
+                fp16_name = {"baseline_name": "fp16 x @ w.T"}
+                row("wall", case, wall_us(ours), wall_us(fp16), 0.8, **fp16_name)
+                row("graph", case, graph_us(ours), graph_us(fp16), 0.7, **fp16_name)
     return out
 
 

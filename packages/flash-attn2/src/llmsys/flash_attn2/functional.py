@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from llmsys.triton_launch import checks
+from llmsys.triton_launch import call_below_autograd, checks
 
 from . import ops
 from .flash_torch import check_causal_and_scale
@@ -40,7 +40,7 @@ class FlashAttention2Triton(torch.autograd.Function):
     def forward(ctx, q, k, v, is_causal=False, scale=None):
         _check_arguments("FlashAttention2Triton", q, k, v, is_causal, scale, "is_causal")
         scale = _default_scale(q) if scale is None else float(scale)
-        out, lse = ops.flash_attn2_fwd(q, k, v, is_causal, scale)
+        out, lse = call_below_autograd(ops.flash_attn2_fwd, q, k, v, is_causal, scale)
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out
@@ -48,7 +48,9 @@ class FlashAttention2Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = ops.flash_attn2_bwd(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale)
+        dq, dk, dv = call_below_autograd(
+            ops.flash_attn2_bwd, grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale
+        )
         return dq, dk, dv, None, None
 
 

@@ -13,11 +13,14 @@ from llmsys.triton_launch import checks, register_autograd
 from . import ops  # registers torch.ops.llmsys.int8_*
 
 # The quantizer's outputs never require grad; the GEMM refuses inputs that want a gradient.
-register_autograd(ops._lib, ops.int8_quantize_perrow)
-for _op in (ops.int8_matmul, ops.int8_matmul_out):
+# The public functions call the ops through these, which skip the dispatcher where they can.
+_quantize_perrow = register_autograd(ops._lib, ops.int8_quantize_perrow)
+_matmul, _matmul_out = (
     register_autograd(
-        ops._lib, _op, refuse=partial(ops.inference_only_error, f"torch.ops.{_op._schema.name}")
+        ops._lib, op, refuse=partial(ops.inference_only_error, f"torch.ops.{op._schema.name}")
     )
+    for op in (ops.int8_matmul, ops.int8_matmul_out)
+)
 # The dispatcher's own schema error for a non-tensor is a RuntimeError that names no argument:
 # the public functions check argument types first (checks.tensors).
 
@@ -41,7 +44,7 @@ def quantize_int8_perrow(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ValueError: ``x`` is not 2-D.
     """
     checks.tensors("quantize_int8_perrow", x=x)
-    return torch.ops.llmsys.int8_quantize_perrow(x)
+    return _quantize_perrow(x)
 
 
 def quantize_int8(weight: torch.Tensor, axis: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +117,8 @@ def matmul_int8(
         bias=bias,
     )
     if out is None:
-        return torch.ops.llmsys.int8_matmul(a, a_scale, b, b_scale, bias)
-    torch.ops.llmsys.int8_matmul_out(a, a_scale, b, b_scale, bias, out)
+        return _matmul(a, a_scale, b, b_scale, bias)
+    _matmul_out(a, a_scale, b, b_scale, bias, out)
     return out
 
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.triton_launch import checks
+from llmsys.triton_launch import call_below_autograd, checks
 
-from . import ops  # noqa: F401 - registers torch.ops.llmsys.moe_*
+from . import ops  # registers torch.ops.llmsys.moe_*
 
 
 class _PermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_experts, tokens_per_expert, num_experts, align, out_rows):
-        out, padded, row_index = torch.ops.llmsys.moe_permute.default(
-            x, top_experts, tokens_per_expert, num_experts, align, out_rows
+        out, padded, row_index = call_below_autograd(
+            ops.moe_permute, x, top_experts, tokens_per_expert, num_experts, align, out_rows
         )
         ctx.save_for_backward(row_index)
         ctx.mark_non_differentiable(padded, row_index)
@@ -23,7 +23,7 @@ class _PermuteFunction(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_padded, _grad_row_index):
         # Each token was copied to its topk rows: its gradient is the sum of theirs.
         (row_index,) = ctx.saved_tensors
-        grad_x = torch.ops.llmsys.moe_unpermute.default(grad_out, row_index, None)
+        grad_x = call_below_autograd(ops.moe_unpermute, grad_out, row_index, None)
         return grad_x, None, None, None, None, None
 
 
@@ -31,14 +31,14 @@ class _UnpermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_out, row_index, routing_weights):
         ctx.save_for_backward(expert_out, row_index, routing_weights)
-        return torch.ops.llmsys.moe_unpermute.default(expert_out, row_index, routing_weights)
+        return call_below_autograd(ops.moe_unpermute, expert_out, row_index, routing_weights)
 
     @staticmethod
     def backward(ctx, grad_y):
         expert_out, row_index, routing_weights = ctx.saved_tensors
         weights_grad = ctx.needs_input_grad[2]
-        grad_src, grad_weights = torch.ops.llmsys.moe_unpermute_backward.default(
-            grad_y, expert_out, row_index, routing_weights, weights_grad
+        grad_src, grad_weights = call_below_autograd(
+            ops.moe_unpermute_backward, grad_y, expert_out, row_index, routing_weights, weights_grad
         )
         return grad_src, None, grad_weights if weights_grad else None
 
@@ -128,7 +128,7 @@ def padded_moe_permute(
     if torch.is_grad_enabled() and x.requires_grad:
         out, padded, row_index = _PermuteFunction.apply(*args)
     else:
-        out, padded, row_index = torch.ops.llmsys.moe_permute.default(*args)
+        out, padded, row_index = call_below_autograd(ops.moe_permute, *args)
     return (out, padded, row_index) if return_row_index else (out, padded)
 
 
@@ -170,4 +170,4 @@ def moe_unpermute(
         needs_grad = needs_grad or routing_weights.requires_grad
     if torch.is_grad_enabled() and needs_grad:
         return _UnpermuteFunction.apply(expert_out, row_index, routing_weights)
-    return torch.ops.llmsys.moe_unpermute.default(expert_out, row_index, routing_weights)
+    return call_below_autograd(ops.moe_unpermute, expert_out, row_index, routing_weights)

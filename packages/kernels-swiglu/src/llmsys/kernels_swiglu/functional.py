@@ -20,11 +20,12 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         a, b = ctx.saved_tensors
-        return ops.swiglu_bwd(grad_out, a, b)
+        return call_below_autograd(ops.swiglu_bwd, grad_out, a, b)
 
 
-# torch.ops.llm_scaling_week.swiglu_fwd itself is differentiable.
-register_autograd(ops._lib, ops.swiglu_fwd, _SwiGLUFunction)
+# torch.ops.llm_scaling_week.swiglu_fwd itself is differentiable; swiglu() calls it through
+# _swiglu_fwd, which skips the dispatcher where it can.
+_swiglu_fwd = register_autograd(ops._lib, ops.swiglu_fwd, _SwiGLUFunction)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -51,4 +52,4 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         ops.check_inputs("swiglu", a=a, b=b)  # a TypeError naming the argument
-    return torch.ops.llm_scaling_week.swiglu_fwd(a, b)
+    return _swiglu_fwd(a, b)

@@ -35,17 +35,21 @@ def check_inputs(op: str, **tensors: torch.Tensor) -> None:
         checks.same_device(op, name, t, first_name, first)
 
 
-def _valid(*tensors) -> bool:
+def _valid(a, *others) -> bool:
     """The checks' verdict, cheaply: every call asks, only a failure pays for the messages."""
-    a = tensors[0]
-    return all(
-        type(t) is torch.Tensor  # None, a non-tensor, or a subclass: the full check decides
-        and t.dtype in _SUPPORTED
-        and t.dtype == a.dtype
-        and t.shape == a.shape
-        and t.get_device() == a.get_device()  # cheaper than comparing torch.device objects
-        for t in tensors
-    )
+    # None, a non-tensor, or a subclass: the full check decides.
+    if type(a) is not torch.Tensor or a.dtype not in _SUPPORTED:
+        return False
+    dtype, shape, device = a.dtype, a.shape, a.get_device()  # get_device: an int, cheap
+    for t in others:  # a loop, not a generator: this runs on every call
+        if not (
+            type(t) is torch.Tensor
+            and t.dtype == dtype
+            and t.shape == shape
+            and t.get_device() == device
+        ):
+            return False
+    return True
 
 
 def launch_config(n_elements: int) -> tuple[int, int]:

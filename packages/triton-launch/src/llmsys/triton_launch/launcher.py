@@ -109,22 +109,28 @@ def launch(
         _check_order(kernel, args, constexprs)
         kernel[grid](*args, **constexprs)
         return
-    # Tensors are inlined rather than sent through _key: a function call per argument is a
-    # measurable part of a 15 us call.
+    # Tensors and ints are inlined rather than sent through _key: a function call per argument
+    # is a measurable part of a 15 us call. (Subclasses such as nn.Parameter go through _key.)
     key = (
         kernel,
         device,
         num_warps,
         num_stages,
         *[
-            (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else _key(a)
+            (a.dtype, a.data_ptr() % 16 == 0)
+            if type(a) is torch.Tensor
+            else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
+            if type(a) is int
+            else _key(a)
             for a in args
         ],
         *constexprs.values(),
         *options.items(),
     )
     compiled = _compiled.get(key)
-    if compiled is None or device != torch.cuda.current_device() or _launch_hooks_installed():
+    # torch._C._cuda_getDevice: torch.cuda.current_device without its lazy-init check (a cached
+    # kernel means CUDA is initialized).
+    if compiled is None or device != torch._C._cuda_getDevice() or _launch_hooks_installed():
         # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
         _check_order(kernel, args, constexprs)
         options["num_warps"] = num_warps

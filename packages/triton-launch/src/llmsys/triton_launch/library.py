@@ -1,10 +1,18 @@
-"""Registering a package's ops: one way for every kernel package.
+"""Registering a package's ops and calling them: one way for every kernel package.
 
 Each op is defined on a ``torch.library.Library`` fragment with one Python implementation for
 CPU and CUDA and a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` keeps it as
 one node and CUDA graphs capture its launches. An op that is differentiable by itself gets an
 Autograd-key kernel built from an ``autograd.Function`` that lives in the package's
 ``functional.py``.
+
+In eager mode on plain tensors the dispatcher can only hand the arguments to that Python
+implementation, and each trip through it costs several microseconds of host time (more than
+the launch, DECISIONS.md). So the package's own calls (its public functions and its
+``autograd.Function``\\ s) go to the implementation directly whenever that is all the
+dispatcher would do, and through the op otherwise: under ``torch.compile``, dispatch and
+function modes (fake tensors), functorch transforms, ``torch.jit.trace``, the profiler (which
+then shows the op by name), and for tensor subclasses or devices other than CPU and CUDA.
 
 Why not ``torch.library.custom_op``, ``triton_op`` or ``register_autograd``: each adds a layer
 of Python around every eager call; measured in DECISIONS.md.
@@ -18,6 +26,8 @@ import torch
 
 DEVICES = ("CPU", "CUDA")
 
+_impls: dict = {}  # op (OpOverload) -> the Python implementation define_op registered for it
+
 
 def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Callable):
     """Define ``lib.ns::schema``, implement it with ``impl`` on CPU and CUDA, and register
@@ -27,19 +37,49 @@ def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Cal
     for device in DEVICES:
         lib.impl(name, impl, device)
     torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
-    return getattr(getattr(torch.ops, lib.ns), name).default
+    op = getattr(getattr(torch.ops, lib.ns), name).default
+    _impls[op] = impl
+    return op
+
+
+def _direct_call_ok(args: tuple) -> bool:
+    """True when the dispatcher, past autograd, would do nothing but call the op's impl: no
+    tracing, mode, transform or profiler, and every tensor argument a dense tensor of the
+    Tensor class itself on CPU or CUDA. (Loops rather than generators: this runs on every call.)"""
+    if (
+        torch.compiler.is_compiling()  # first: dynamo folds it and skips the rest
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch._C._get_tracing_state() is not None
+        or torch._C._autograd._profiler_enabled()
+    ):
+        return False
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and not (
+            type(arg) is torch.Tensor
+            and (arg.is_cuda or arg.is_cpu)
+            and arg.layout is torch.strided
+        ):
+            return False
+    return True
 
 
 def _wants_grad(args: tuple) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in args
-    )
+    if torch.is_grad_enabled():
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                return True
+    return False
 
 
 def call_below_autograd(op, *args):
-    """Call ``op`` past its Autograd key (from an ``autograd.Function.forward``)."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
+    """Call ``op`` where autograd has nothing to do: from an ``autograd.Function``'s forward or
+    backward, or when no argument requires grad. Its impl is called directly when that is all
+    the dispatcher would do, else the op."""
+    if _direct_call_ok(args):
+        return _impls[op](*args)
+    return op(*args)
 
 
 def register_autograd(
@@ -47,8 +87,9 @@ def register_autograd(
     op,
     function: type[torch.autograd.Function] | None = None,
     refuse: Callable[[], Exception] | None = None,
-) -> None:
-    """Give ``op`` an Autograd-key kernel.
+) -> Callable:
+    """Give ``op`` an Autograd-key kernel, and return ``op`` as a function that skips the
+    dispatcher where it can: the package's public function calls that.
 
     When grad mode is on and a tensor argument requires grad: ``function.apply(*args)`` if a
     Function is given, else ``raise refuse()`` if given, else the op runs as below. Otherwise
@@ -58,14 +99,24 @@ def register_autograd(
     costs more host time than the op's launch (DECISIONS.md).
     """
     name = op._schema.name.split("::", 1)[1]
+    impl = _impls[op]
 
-    def kernel(*args):
+    def autograd(args: tuple, direct: bool):
         if _wants_grad(args):
             if function is not None:
                 return function.apply(*args)
             if refuse is not None:
                 raise refuse()
+        if direct:
+            return impl(*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
 
-    lib.impl(name, kernel, "Autograd")
+    lib.impl(name, lambda *args: autograd(args, _direct_call_ok(args)), "Autograd")
+
+    def call(*args):
+        return autograd(args, True) if _direct_call_ok(args) else op(*args)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"``torch.ops.{op._schema.name}(*args)``, past the dispatcher where it can."
+    return call

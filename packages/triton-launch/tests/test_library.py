@@ -1,0 +1,125 @@
+"""define_op / register_autograd / call_below_autograd on a toy op: the direct call of the impl
+is taken only where the dispatcher would do nothing else, and means the same as the op."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmsys.triton_launch import call_below_autograd, define_op, register_autograd
+from llmsys.triton_launch.library import _direct_call_ok
+
+impl_calls = []
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    impl_calls.append(x)
+    return x * 2
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return call_below_autograd(double_op, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return call_below_autograd(double_op, grad)
+
+
+_lib = torch.library.Library("llmsys_test_library", "FRAGMENT")
+double_op = define_op(_lib, "double(Tensor x) -> Tensor", _double, lambda x: torch.empty_like(x))
+double = register_autograd(_lib, double_op, _Double)
+refused_op = define_op(_lib, "refused(Tensor x) -> Tensor", _double, lambda x: torch.empty_like(x))
+refused = register_autograd(_lib, refused_op, refuse=lambda: RuntimeError("refused: no grad"))
+
+
+class _SeesOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_plain_tensors_call_the_impl_directly():
+    x = torch.randn(3, 4)
+    assert _direct_call_ok((x, None, 3, 0.5))
+    assert _direct_call_ok(())
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        torch.randn(2, device="meta"),
+        torch.randn(2, 2).to_sparse(),
+        torch.randn(2).as_subclass(_Subclass),
+    ],
+    ids=["meta", "sparse", "subclass"],
+)
+def test_other_tensors_go_through_the_dispatcher(arg):
+    assert not _direct_call_ok((torch.randn(2), arg))
+
+
+def test_modes_transforms_tracing_and_the_profiler_go_through_the_dispatcher():
+    x = torch.randn(2)
+    with _SeesOps():
+        assert not _direct_call_ok((x,))
+    with TorchFunctionMode():
+        assert not _direct_call_ok((x,))
+    with torch.profiler.profile():
+        assert not _direct_call_ok((x,))
+    seen = []
+    torch.func.vmap(lambda row: seen.append(_direct_call_ok((row,))) or row)(torch.randn(2, 3))
+    assert seen == [False]
+    torch.jit.trace(lambda t: seen.append(_direct_call_ok((t,))) or t * 1, x, check_trace=False)
+    assert seen == [False, False]
+    assert _direct_call_ok((x,))  # and back once they are gone
+
+
+def test_direct_and_dispatched_calls_agree_with_the_formula():
+    x = torch.randn(5, 3)
+    impl_calls.clear()
+    torch.testing.assert_close(double(x), x * 2, rtol=0, atol=0)
+    assert len(impl_calls) == 1
+    with _SeesOps() as mode:
+        torch.testing.assert_close(double(x), x * 2, rtol=0, atol=0)
+    assert "llmsys_test_library.double.default" in mode.ops  # the op itself, not only aten::mul
+    with torch.profiler.profile() as prof:
+        double(x)
+    assert any(e.name == "llmsys_test_library::double" for e in prof.events())
+
+
+@pytest.mark.parametrize("dispatched", [False, True], ids=["direct", "through a mode"])
+def test_gradients_come_from_the_function_either_way(dispatched):
+    x = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(4, 2, dtype=torch.float64)
+    with _SeesOps() if dispatched else torch.enable_grad():
+        out = double(x)
+        (grad_x,) = torch.autograd.grad(out, x, grad)
+    torch.testing.assert_close(grad_x, 2 * grad, rtol=0, atol=0)
+    with torch.no_grad():
+        assert not double(x).requires_grad
+    assert not double(x.detach()).requires_grad
+
+
+def test_refused_gradients_raise_and_leave_inference_alone():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="refused: no grad"):
+        refused(x)
+    with pytest.raises(RuntimeError, match="refused: no grad"):
+        refused_op(x)
+    with torch.no_grad():
+        torch.testing.assert_close(refused(x), x.detach() * 2, rtol=0, atol=0)
+
+
+def test_the_returned_call_compiles_as_the_op():
+    x = torch.randn(6)
+    compiled = torch.compile(lambda t: double(t) + 1, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), x * 2 + 1, rtol=0, atol=0)
