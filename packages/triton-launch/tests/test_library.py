@@ -14,7 +14,8 @@ impl_calls = []
 
 def _double(x: torch.Tensor) -> torch.Tensor:
     impl_calls.append(x)
-    return x * 2
+    with torch.no_grad():  # opaque to autograd, as a kernel launch is
+        return x * 2
 
 
 class _Double(torch.autograd.Function):
@@ -107,6 +108,17 @@ def test_gradients_come_from_the_function_either_way(dispatched):
     with torch.no_grad():
         assert not double(x).requires_grad
     assert not double(x.detach()).requires_grad
+
+
+def test_a_backward_that_builds_a_graph_goes_through_the_op():
+    # create_graph=True: _Double.backward runs with grad on; its call must reach the op's
+    # autograd (here _Double again), not the impl, or the second derivative would be lost.
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(double(x), x, v, create_graph=True)
+    torch.testing.assert_close(grad_x, 2 * v, rtol=0, atol=0)
+    (grad_v,) = torch.autograd.grad(grad_x.sum(), v)
+    torch.testing.assert_close(grad_v, torch.full_like(v, 2.0), rtol=0, atol=0)
 
 
 def test_refused_gradients_raise_and_leave_inference_alone():

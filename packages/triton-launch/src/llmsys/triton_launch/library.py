@@ -74,10 +74,11 @@ def _wants_grad(args: tuple) -> bool:
 
 
 def call_below_autograd(op, *args):
-    """Call ``op`` where autograd has nothing to do: from an ``autograd.Function``'s forward or
-    backward, or when no argument requires grad. Its impl is called directly when that is all
-    the dispatcher would do, else the op."""
-    if _direct_call_ok(args):
+    """Call ``op`` from an ``autograd.Function``'s forward or backward, or where no argument
+    requires grad: its impl directly when that is all the dispatcher would do, else the op.
+    A backward run with ``create_graph=True`` (grad mode on, saved inputs requiring grad) goes
+    through the op, so its autograd sees the call as it would without this shortcut."""
+    if _direct_call_ok(args) and not _wants_grad(args):
         return _impls[op](*args)
     return op(*args)
 
