@@ -1,12 +1,14 @@
 """define_op / register_autograd / call_below_autograd on a toy op: the direct call of the impl
 is taken only where the dispatcher would do nothing else, and means the same as the op."""
 
+import sys
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmsys.triton_launch import call_below_autograd, define_op, register_autograd
+from llmsys.triton_launch import call_below_autograd, define_op, library, register_autograd
 from llmsys.triton_launch.library import _direct_call_ok
 
 impl_calls = []
@@ -51,8 +53,34 @@ class _Subclass(torch.Tensor):
 
 def test_plain_tensors_call_the_impl_directly():
     x = torch.randn(3, 4)
-    assert _direct_call_ok((x, None, 3, 0.5))
+    assert _direct_call_ok((x, None, 3, 0.5, True))
     assert _direct_call_ok(())
+    assert not _direct_call_ok((x, "a string"))  # anything but int/float/bool/None: the op
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """Who called the impl through library._impls (the shortcut; the dispatcher calls the impl
+    it registered): the names of the two calling functions, per call."""
+    calls = []
+
+    def recording(x):
+        calls.append((sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name))
+        return _double(x)
+
+    monkeypatch.setitem(library._impls, double_op, recording)
+    return calls
+
+
+def test_the_shortcut_is_taken_in_eager_mode_and_skipped_under_a_mode(direct_calls):
+    x = torch.randn(4, requires_grad=True)
+    double(x.detach())  # the returned call runs the impl itself, not through the op
+    assert direct_calls == [("run", "call")]
+    torch.autograd.grad(double(x), x, torch.ones(4))  # the Function's forward and backward
+    assert [caller for caller, _ in direct_calls[1:]] == ["call_below_autograd"] * 2
+    with _SeesOps():
+        double(x.detach())
+    assert len(direct_calls) == 3
 
 
 @pytest.mark.parametrize(
@@ -101,10 +129,12 @@ def test_direct_and_dispatched_calls_agree_with_the_formula():
 def test_gradients_come_from_the_function_either_way(dispatched):
     x = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(4, 2, dtype=torch.float64)
-    with _SeesOps() if dispatched else torch.enable_grad():
+    mode = _SeesOps()
+    with mode if dispatched else torch.enable_grad():
         out = double(x)
         (grad_x,) = torch.autograd.grad(out, x, grad)
     torch.testing.assert_close(grad_x, 2 * grad, rtol=0, atol=0)
+    assert ("llmsys_test_library.double.default" in mode.ops) == dispatched
     with torch.no_grad():
         assert not double(x).requires_grad
     assert not double(x.detach()).requires_grad
@@ -121,6 +151,15 @@ def test_a_backward_that_builds_a_graph_goes_through_the_op():
     torch.testing.assert_close(grad_v, torch.full_like(v, 2.0), rtol=0, atol=0)
 
 
+def test_below_autograd_the_call_skips_autograd_as_the_dispatcher_does():
+    # As inside torch.library.custom_op's no-grad path: grad mode on, autograd switched off.
+    x = torch.randn(3, requires_grad=True)
+    with torch._C._AutoDispatchBelowAutograd():
+        assert not double(x).requires_grad
+        assert not double_op(x).requires_grad
+        torch.testing.assert_close(refused(x), x.detach() * 2, rtol=0, atol=0)
+
+
 def test_refused_gradients_raise_and_leave_inference_alone():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="refused: no grad"):
@@ -132,6 +171,13 @@ def test_refused_gradients_raise_and_leave_inference_alone():
 
 
 def test_the_returned_call_compiles_as_the_op():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
     x = torch.randn(6)
-    compiled = torch.compile(lambda t: double(t) + 1, fullgraph=True, backend="eager")
+    compiled = torch.compile(lambda t: double(t) + 1, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(x), x * 2 + 1, rtol=0, atol=0)
+    assert [node.target for node in graphs[0].graph.nodes if node.target is double_op]

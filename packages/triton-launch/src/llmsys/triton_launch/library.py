@@ -12,7 +12,8 @@ the launch, DECISIONS.md). So the package's own calls (its public functions and 
 ``autograd.Function``\\ s) go to the implementation directly whenever that is all the
 dispatcher would do, and through the op otherwise: under ``torch.compile``, dispatch and
 function modes (fake tensors), functorch transforms, ``torch.jit.trace``, the profiler (which
-then shows the op by name), and for tensor subclasses or devices other than CPU and CUDA.
+then shows the op by name), and for tensor subclasses or devices other than CPU and CUDA
+(``_direct_call_ok``).
 
 Why not ``torch.library.custom_op``, ``triton_op`` or ``register_autograd``: each adds a layer
 of Python around every eager call; measured in DECISIONS.md.
@@ -27,6 +28,9 @@ import torch
 DEVICES = ("CPU", "CUDA")
 
 _impls: dict = {}  # op (OpOverload) -> the Python implementation define_op registered for it
+# Arguments other than tensors that cannot intercept a call (an FX Proxy, say, would).
+_PLAIN_TYPES = frozenset((int, float, bool, type(None)))
+_AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 
 
 def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Callable):
@@ -44,8 +48,13 @@ def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Cal
 
 def _direct_call_ok(args: tuple) -> bool:
     """True when the dispatcher, past autograd, would do nothing but call the op's impl: no
-    tracing, mode, transform or profiler, and every tensor argument a dense tensor of the
-    Tensor class itself on CPU or CUDA. (Loops rather than generators: this runs on every call.)"""
+    tracing, mode, transform or thread-local profiler, every tensor argument a strided tensor of
+    the Tensor class itself on CPU or CUDA, and every other argument an int, float, bool or
+    None. (Loops rather than generators: this runs on every call.)
+
+    Observers that hook into the dispatcher globally rather than per thread (a standalone
+    ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
+    (a function mode) sends every call through the op."""
     if (
         torch.compiler.is_compiling()  # first: dynamo folds it and skips the rest
         or torch._C._len_torch_dispatch_stack()
@@ -56,17 +65,18 @@ def _direct_call_ok(args: tuple) -> bool:
     ):
         return False
     for arg in args:
-        if isinstance(arg, torch.Tensor) and not (
-            type(arg) is torch.Tensor
-            and (arg.is_cuda or arg.is_cpu)
-            and arg.layout is torch.strided
-        ):
+        if type(arg) is torch.Tensor:
+            if not ((arg.is_cuda or arg.is_cpu) and arg.layout is torch.strided):
+                return False
+        elif type(arg) not in _PLAIN_TYPES:  # a subclass, a proxy, anything else: the op
             return False
     return True
 
 
 def _wants_grad(args: tuple) -> bool:
-    if torch.is_grad_enabled():
+    """Grad mode on, autograd not switched off for this thread (``_AutoDispatchBelowAutograd``,
+    as inside ``custom_op``'s no-grad path), and a tensor argument requiring grad."""
+    if torch.is_grad_enabled() and not torch._C._dispatch_tls_is_dispatch_key_excluded(_AUTOGRAD):
         for arg in args:
             if isinstance(arg, torch.Tensor) and arg.requires_grad:
                 return True
@@ -100,23 +110,22 @@ def register_autograd(
     costs more host time than the op's launch (DECISIONS.md).
     """
     name = op._schema.name.split("::", 1)[1]
-    impl = _impls[op]
 
-    def autograd(args: tuple, direct: bool):
+    def run(args: tuple, direct: bool):
         if _wants_grad(args):
             if function is not None:
                 return function.apply(*args)
             if refuse is not None:
                 raise refuse()
         if direct:
-            return impl(*args)
+            return _impls[op](*args)
         with torch._C._AutoDispatchBelowAutograd():
             return op(*args)
 
-    lib.impl(name, lambda *args: autograd(args, _direct_call_ok(args)), "Autograd")
+    lib.impl(name, lambda *args: run(args, _direct_call_ok(args)), "Autograd")
 
     def call(*args):
-        return autograd(args, True) if _direct_call_ok(args) else op(*args)
+        return run(args, True) if _direct_call_ok(args) else op(*args)
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"``torch.ops.{op._schema.name}(*args)``, past the dispatcher where it can."
