@@ -1,6 +1,6 @@
 """Host cost per call of the kernel packages' ops beside what a user calls instead (issue 12).
 
-    python packages/triton-launch/benchmarks/host_cost.py [--out DIR]
+    python packages/profiling/benchmarks/host_cost.py [--out DIR]
 
 (with every package's src/ and tools/ on PYTHONPATH).
 Needs a CUDA GPU. Three kinds of rows, all medians over repeats, in one process:
