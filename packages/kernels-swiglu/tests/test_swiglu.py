@@ -166,6 +166,15 @@ def test_gradcheck_float64(shape, device):
     assert torch.autograd.gradcheck(swiglu, (a, b))
 
 
+@pytest.mark.parametrize("call", [swiglu, swiglu_fwd], ids=["swiglu", "op_by_name"])
+def test_double_backward_raises_instead_of_dropping_second_order_terms(call, device):
+    a, b = (t.requires_grad_() for t in rand_pair((3, 5), torch.float64, device))
+    with pytest.raises(RuntimeError, match="swiglu: double backward is not supported"):
+        torch.autograd.grad(call(a, b).sum(), (a, b), create_graph=True)
+    _, grad_b = torch.autograd.grad(call(a, b).sum(), (a, b))  # first order still works
+    torch.testing.assert_close(grad_b, F.silu(a.detach()))
+
+
 @pytest.mark.parametrize("needs_grad", ["a", "b"])
 def test_gradient_for_one_input_only(needs_grad, device):
     a, b = rand_pair((7, 3, 5), torch.float32, device)

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmsys.triton_launch import launch, runs_under_interpreter
+from llmsys.triton_launch import launch, native, runs_under_interpreter
 from llmsys.triton_launch.launcher import _compiled, _key
 
 
@@ -73,10 +73,19 @@ def test_two_dimensional_grid_and_stages(num_stages, device):
         torch.testing.assert_close(out, x + torch.arange(5.0, device=device)[:, None])
 
 
-@pytest.mark.parametrize("grid", [(), (1, 1, 1, 1)])
-def test_grid_of_more_than_three_sizes_is_refused(grid):
+@pytest.mark.parametrize("grid", [(), (1, 1, 1, 1), -1, (2, -3)])
+def test_grid_of_more_than_three_or_negative_sizes_is_refused(grid):
     x = torch.randn(4)
-    with pytest.raises(ValueError, match="grid"):
+    out = torch.full_like(x, float("nan"))
+    with pytest.raises(ValueError, match="`grid` must be 1 to 3 sizes, each at least 0"):
+        launch(scale_add, grid, (x, out, 4, 1.0), {"BLOCK": 4})
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("grid", [1.0, "4", (2, 1.5), True])
+def test_grid_of_non_ints_is_refused(grid):
+    x = torch.randn(4)
+    with pytest.raises(TypeError, match="`grid` must be an int or a tuple of 1 to 3 ints"):
         launch(scale_add, grid, (x, x, 4, 1.0), {"BLOCK": 4})
 
 
@@ -126,6 +135,67 @@ def test_profiler_hooks_see_every_launch():
     finally:
         hooks.remove(seen.append)
     assert len(seen) == 1
+
+
+# --- the C launcher (native_launch.c) -------------------------------------------------------------
+
+
+def test_the_c_launcher_packs_each_kind_as_the_driver_reads_it():
+    import struct
+
+    module = native.get()
+    assert module is not None, "the C launcher did not build on this machine"
+    x = torch.randn(3)
+    packed = module.pack(b"pi-lIfdbL", x, -5, 7, 2**40, 2**32 - 1, 1.5, 2.25, True, 2**64 - 1)
+    expected = (x.data_ptr(), -5, 2**40, 2**32 - 1, 1.5, 2.25, 1, 2**64 - 1, 0, 0)
+    assert packed == struct.pack("<QiqIfdbQQQ", *expected)  # then the two scratch pointers
+    with pytest.raises(ValueError, match="2 kinds for 1 arguments"):
+        module.pack(b"pi", x)
+    with pytest.raises(ValueError, match="unknown kind 'z'"):
+        module.pack(b"z", 1)
+    with pytest.raises(TypeError):
+        module.pack(b"i", "not an int")
+
+
+def test_the_kinds_of_a_compiled_signature():
+    class Meta:
+        num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
+        global_scratch_size, profile_scratch_size, shared = 0, 0, 1024
+
+    class Src:
+        def __init__(self):
+            self.signature = {"x": "*fp32", "n": "i32", "m": "i64", "f": "fp32", "B": "constexpr"}
+
+    class Compiled:
+        metadata, src = Meta(), Src()
+
+    assert native.kinds(Compiled()) == b"pilf-"
+    Compiled.src.signature = {"x": "*fp32", "d": "tensordesc<fp16[64, 64]>"}
+    assert native.kinds(Compiled()) is None  # Triton's launcher builds the descriptor
+    Compiled.src.signature = {"x": "*fp32"}
+    Meta.global_scratch_size = 128
+    assert native.kinds(Compiled()) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native_launch", [True, False], ids=["c launcher", "triton launcher"])
+def test_both_launchers_compute_the_same_on_every_path(native_launch, monkeypatch):
+    if not native_launch:
+        monkeypatch.setattr(native, "get", lambda: None)
+        _compiled.clear()
+    for n in (1, 13, 4096, 100_003):
+        x = torch.randn(n, device="cuda")
+        for view in (x, x[1:]):
+            for _ in range(2):  # the first call compiles, the second takes the cached entry
+                torch.testing.assert_close(run(view), view * 3.0 + 1)
+    x = torch.randn(5, 70, device="cuda")
+    for _ in range(2):
+        out = torch.full_like(x, float("nan"))
+        launch(add_rows, (5, 3), (x, out, 70, 70), {"BLOCK": 32}, num_warps=2)
+        torch.testing.assert_close(out, x + torch.arange(5.0, device="cuda")[:, None])
+    entries = [entry for key, entry in _compiled.items() if key[0] is scale_add]
+    assert all((entry[1] is not None) == native_launch for entry in entries)
+    _compiled.clear()
 
 
 def test_host_grid_arithmetic_agrees_with_tritons():

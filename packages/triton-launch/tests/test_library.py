@@ -1,5 +1,6 @@
-"""define_op / register_autograd / call_below_autograd on a toy op: the direct call of the impl
-is taken only where the dispatcher would do nothing else, and means the same as the op."""
+"""define_op / wants_grad / call_below_autograd on a toy op wired as every kernel package wires
+its ops: the direct call of the impl is taken only where the dispatcher would do nothing else,
+and means the same as the op."""
 
 import sys
 
@@ -8,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmsys.triton_launch import call_below_autograd, define_op, library, register_autograd
+from llmsys.triton_launch import call_below_autograd, define_op, library, wants_grad
 from llmsys.triton_launch.library import _direct_call_ok
 
 impl_calls = []
@@ -32,9 +33,30 @@ class _Double(torch.autograd.Function):
 
 _lib = torch.library.Library("llmsys_test_library", "FRAGMENT")
 double_op = define_op(_lib, "double(Tensor x) -> Tensor", _double, lambda x: torch.empty_like(x))
-double = register_autograd(_lib, double_op, _Double)
+torch.library.register_autograd(
+    double_op, lambda ctx, grad: call_below_autograd(double_op, grad), lib=_lib
+)
 refused_op = define_op(_lib, "refused(Tensor x) -> Tensor", _double, lambda x: torch.empty_like(x))
-refused = register_autograd(_lib, refused_op, refuse=lambda: RuntimeError("refused: no grad"))
+
+
+def _refuse(ctx, inputs, output):
+    raise RuntimeError("refused: no grad")
+
+
+torch.library.register_autograd(refused_op, lambda ctx, g: g, setup_context=_refuse, lib=_lib)
+
+
+def double(x):
+    """The public function of the one wiring."""
+    if wants_grad(x):
+        return _Double.apply(x)
+    return call_below_autograd(double_op, x)
+
+
+def refused(x):
+    if wants_grad(x):
+        raise RuntimeError("refused: no grad")
+    return call_below_autograd(refused_op, x)
 
 
 class _SeesOps(TorchDispatchMode):
@@ -74,8 +96,8 @@ def direct_calls(monkeypatch):
 
 def test_the_shortcut_is_taken_in_eager_mode_and_skipped_under_a_mode(direct_calls):
     x = torch.randn(4, requires_grad=True)
-    double(x.detach())  # the returned call runs the impl itself, not through the op
-    assert direct_calls == [("run", "call")]
+    double(x.detach())  # the public function runs the impl itself, not through the op
+    assert direct_calls == [("call_below_autograd", "double")]
     torch.autograd.grad(double(x), x, torch.ones(4))  # the Function's forward and backward
     assert [caller for caller, _ in direct_calls[1:]] == ["call_below_autograd"] * 2
     with _SeesOps():
@@ -170,7 +192,12 @@ def test_refused_gradients_raise_and_leave_inference_alone():
         torch.testing.assert_close(refused(x), x.detach() * 2, rtol=0, atol=0)
 
 
-def test_the_returned_call_compiles_as_the_op():
+def test_an_op_not_made_by_define_op_is_named_in_the_error():
+    with pytest.raises(ValueError, match=r"`op` must be an op made by define_op, got aten\.mul"):
+        call_below_autograd(torch.ops.aten.mul.Tensor, torch.ones(2), torch.ones(2))
+
+
+def test_the_public_function_compiles_as_the_op():
     graphs = []
 
     def backend(gm, example_inputs):

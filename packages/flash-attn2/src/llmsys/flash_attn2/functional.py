@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from llmsys.triton_launch import call_below_autograd, checks
+from llmsys.triton_launch import call_below_autograd, checks, wants_grad
 
 from . import ops
 from .flash_torch import check_causal_and_scale
@@ -98,4 +98,7 @@ def flash_attention(
         ValueError: shapes, head counts, head dims (above 256) or devices do not fit.
     """
     _check_arguments("flash_attention", q, k, v, causal, scale, "causal")
-    return FlashAttention2Triton.apply(q, k, v, causal, scale)
+    if wants_grad(q, k, v):
+        return FlashAttention2Triton.apply(q, k, v, causal, scale)
+    scale = _default_scale(q) if scale is None else float(scale)
+    return call_below_autograd(ops.flash_attn2_fwd, q, k, v, causal, scale)[0]

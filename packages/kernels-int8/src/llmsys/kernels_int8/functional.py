@@ -4,23 +4,48 @@ ops' autograd, which is none: inference-only."""
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
-from llmsys.triton_launch import checks, register_autograd
+from llmsys.triton_launch import call_below_autograd, checks, wants_grad
 
 from . import ops  # registers torch.ops.llmsys.int8_*
 
-# The quantizer's outputs never require grad; the GEMM refuses inputs that want a gradient.
-# The public functions call the ops through these, which skip the dispatcher where they can.
-_quantize_perrow = register_autograd(ops._lib, ops.int8_quantize_perrow)
-_matmul, _matmul_out = (
-    register_autograd(
-        ops._lib, op, refuse=partial(ops.inference_only_error, f"torch.ops.{op._schema.name}")
-    )
-    for op in (ops.int8_matmul, ops.int8_matmul_out)
+# The ops by name: the quantizer's outputs never require grad, and the GEMMs refuse inputs that
+# want a gradient. (torch.library.register_autograd takes only functional ops; the out= GEMM
+# gets a plain Autograd kernel that refuses or runs below autograd.)
+
+
+def _no_grad_outputs(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output)
+
+
+def _refuse(name: str):
+    def setup_context(ctx, inputs, output):
+        raise ops.inference_only_error(f"torch.ops.llmsys.{name}")
+
+    return setup_context
+
+
+def _no_backward(ctx, *grads):
+    return None  # never runs: setup_context refused, or marked the outputs as needing no grad
+
+
+torch.library.register_autograd(
+    ops.int8_quantize_perrow, _no_backward, setup_context=_no_grad_outputs
 )
+torch.library.register_autograd(ops.int8_matmul, _no_backward, setup_context=_refuse("int8_matmul"))
+
+
+def _matmul_out_autograd(*args):
+    if wants_grad(*args):
+        raise ops.inference_only_error("torch.ops.llmsys.int8_matmul_out")
+    with torch._C._AutoDispatchBelowAutograd():
+        return ops.int8_matmul_out(*args)
+
+
+torch.library.impl("llmsys::int8_matmul_out", "Autograd", _matmul_out_autograd)
+
 # The dispatcher's own schema error for a non-tensor is a RuntimeError that names no argument:
 # the public functions check argument types first (checks.tensors).
 
@@ -44,7 +69,7 @@ def quantize_int8_perrow(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ValueError: ``x`` is not 2-D.
     """
     checks.tensors("quantize_int8_perrow", x=x)
-    return _quantize_perrow(x)
+    return call_below_autograd(ops.int8_quantize_perrow, x)
 
 
 def quantize_int8(weight: torch.Tensor, axis: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,9 +141,11 @@ def matmul_int8(
         out=out,
         bias=bias,
     )
+    if wants_grad(a_scale, b_scale, bias, out):
+        raise ops.inference_only_error("matmul_int8")
     if out is None:
-        return _matmul(a, a_scale, b, b_scale, bias)
-    _matmul_out(a, a_scale, b, b_scale, bias, out)
+        return call_below_autograd(ops.int8_matmul, a, a_scale, b, b_scale, bias)
+    call_below_autograd(ops.int8_matmul_out, a, a_scale, b, b_scale, bias, out)
     return out
 
 
@@ -148,7 +175,7 @@ def matmul_quantize_int8(
     checks.tensors("matmul_quantize_int8", ("out",), fpa=fpa, b=b, b_scale=b_scale, out=out)
     if fpa.dim() < 1:
         raise ValueError("matmul_quantize_int8: `fpa` must have a last dimension K, got a scalar")
-    if torch.is_grad_enabled() and fpa.requires_grad:
+    if wants_grad(fpa):
         raise ops.inference_only_error("matmul_quantize_int8")
     k, lead = fpa.shape[-1], fpa.shape[:-1]
     q, scale = quantize_int8_perrow(fpa.reshape(math.prod(lead), k))  # (M, K), (M,)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.triton_launch import call_below_autograd, checks
+from llmsys.triton_launch import call_below_autograd, checks, wants_grad
 
 from . import ops  # registers torch.ops.llmsys.moe_*
 
@@ -125,7 +125,7 @@ def padded_moe_permute(
     """
     _check_permute_arguments(x, top_experts, tokens_per_expert, topk, num_experts, align, out_rows)
     args = (x, top_experts, tokens_per_expert, num_experts, align, out_rows)
-    if torch.is_grad_enabled() and x.requires_grad:
+    if wants_grad(x):
         out, padded, row_index = _PermuteFunction.apply(*args)
     else:
         out, padded, row_index = call_below_autograd(ops.moe_permute, *args)
@@ -165,9 +165,6 @@ def moe_unpermute(
         row_index=row_index,
         routing_weights=routing_weights,
     )
-    needs_grad = expert_out.requires_grad
-    if routing_weights is not None:
-        needs_grad = needs_grad or routing_weights.requires_grad
-    if torch.is_grad_enabled() and needs_grad:
+    if wants_grad(expert_out, routing_weights):
         return _UnpermuteFunction.apply(expert_out, row_index, routing_weights)
     return call_below_autograd(ops.moe_unpermute, expert_out, row_index, routing_weights)

@@ -4,28 +4,38 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.triton_launch import call_below_autograd, register_autograd
+from llmsys.triton_launch import call_below_autograd, wants_grad
 
 from . import ops  # registers torch.ops.llm_scaling_week.*
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_out):
+    a, b = ctx.saved_tensors
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        # create_graph=True: the gradients would lack their own graph, silently
+        raise RuntimeError(
+            "swiglu: double backward is not supported (backward ran with create_graph=True)"
+        )
+    return call_below_autograd(ops.swiglu_bwd, grad_out, a, b)
 
 
 class _SwiGLUFunction(torch.autograd.Function):
     """``swiglu_fwd`` forward; both gradients from one ``swiglu_bwd`` pass."""
 
     @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
+    def forward(a, b):
         return call_below_autograd(ops.swiglu_fwd, a, b)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        a, b = ctx.saved_tensors
-        return call_below_autograd(ops.swiglu_bwd, grad_out, a, b)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
 
 
-# torch.ops.llm_scaling_week.swiglu_fwd itself is differentiable; swiglu() calls it through
-# _swiglu_fwd, which skips the dispatcher where it can.
-_swiglu_fwd = register_autograd(ops._lib, ops.swiglu_fwd, _SwiGLUFunction)
+# torch.ops.llm_scaling_week.swiglu_fwd called by name is differentiable the same way.
+torch.library.register_autograd(ops.swiglu_fwd, _backward, setup_context=_setup_context)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -48,8 +58,10 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     Both gradients come from one Triton pass (``torch.ops.llm_scaling_week.swiglu_bwd``); the op
     works under ``torch.compile(fullgraph=True)`` and in CUDA graphs. Double backward is not
-    supported.
+    supported: a backward with ``create_graph=True`` raises a ``RuntimeError``.
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         ops.check_inputs("swiglu", a=a, b=b)  # a TypeError naming the argument
-    return _swiglu_fwd(a, b)
+    if wants_grad(a, b):
+        return _SwiGLUFunction.apply(a, b)
+    return call_below_autograd(ops.swiglu_fwd, a, b)

@@ -1,13 +1,13 @@
 """One way to launch Triton kernels and register them as ``torch.ops``, shared by the kernel
 packages: ``launch`` (a compiled kernel without ``JITFunction.run``'s per-call host cost),
-``define_op`` and ``register_autograd`` (the op's registration), and ``checks`` (argument checks
-whose errors name the argument)."""
+``define_op`` (the op's registration), ``wants_grad`` and ``call_below_autograd`` (how a package
+calls its ops), and ``checks`` (argument checks whose errors name the argument)."""
 
 from . import checks
 from .launcher import cdiv, launch, next_power_of_2, runs_under_interpreter
-from .library import call_below_autograd, define_op, register_autograd
+from .library import call_below_autograd, define_op, wants_grad
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "__version__",
@@ -17,6 +17,6 @@ __all__ = [
     "define_op",
     "launch",
     "next_power_of_2",
-    "register_autograd",
     "runs_under_interpreter",
+    "wants_grad",
 ]

@@ -5,9 +5,10 @@ specialization key and looks the kernel up on every call: about 10 us of host ti
 host, as much as a small kernel's GPU time. Here the key is computed from what Triton
 specializes on (a pointer's dtype and 16-byte alignment; an integer's equality to 1,
 divisibility by 16 and width; a tensor descriptor's dtype and block shape) and the compiled
-kernel is called through ``CompiledKernel.run``, whose arguments have been the same from
-triton 3.4 to 3.9. The launch enqueues on the current stream and never synchronizes, so it can
-be captured in a CUDA graph.
+kernel is launched by a small C function (``native_launch.c``: pack the arguments, call
+``cuLaunchKernel``), or, where that is not built or the kernel needs more, through Triton's
+``CompiledKernel.run``, whose arguments have been the same from triton 3.4 to 3.9. The launch
+enqueues on the current stream and never synchronizes, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 import torch
 import triton
 
+from . import native
+
 try:  # host-side tensor descriptors for the copy engine (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-_compiled: dict[tuple, object] = {}
+# key -> (compiled kernel, its native_launch kinds or None, threads per program, shared bytes)
+_compiled: dict[tuple, tuple] = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -68,6 +72,21 @@ def _check_order(kernel, args: tuple, constexprs: dict) -> None:
         )
 
 
+def _checked_grid(grid) -> tuple[int, ...] | None:
+    """``grid`` as a tuple of 1 to 3 positive ints; None when a size is 0; else ``TypeError`` or
+    ``ValueError`` naming it."""
+    sizes = (grid,) if isinstance(grid, int) else grid
+    if not isinstance(sizes, tuple | list) or not all(
+        isinstance(g, int) and not isinstance(g, bool) for g in sizes
+    ):
+        raise TypeError(f"launch: `grid` must be an int or a tuple of 1 to 3 ints, got {grid!r}")
+    if not 1 <= len(sizes) <= 3 or min(sizes) < 0:
+        raise ValueError(
+            f"launch: `grid` must be 1 to 3 sizes, each at least 0, got {tuple(sizes)}"
+        )
+    return None if 0 in sizes else tuple(sizes)
+
+
 def _launch_hooks_installed() -> bool:
     hook = triton.knobs.runtime.launch_enter_hook  # a HookChain: never None, empty by default
     return bool(getattr(hook, "calls", hook))
@@ -88,7 +107,7 @@ def launch(
     Args:
         kernel: a ``@triton.jit`` function.
         grid: the number of programs of a 1-D grid, or a tuple of up to three sizes; a size of 0
-            launches nothing.
+            launches nothing; a negative size or a non-int is an error.
         args: the kernel's runtime arguments in signature order; the first must be a tensor or a
             host tensor descriptor (its device is the launch device).
         constexprs: the ``tl.constexpr`` arguments that follow them, in signature order.
@@ -99,10 +118,8 @@ def launch(
     CPU tensors (under ``TRITON_INTERPRET=1``), a device other than the current one, and
     installed Triton launch hooks (profilers) take the ordinary launch.
     """
-    grid = (grid,) if type(grid) is int else tuple(grid)
-    if not 1 <= len(grid) <= 3:
-        raise ValueError(f"launch: `grid` must be an int or 1 to 3 ints, got {grid}")
-    if 0 in grid:
+    grid = (grid,) if type(grid) is int and grid > 0 else _checked_grid(grid)
+    if grid is None:  # a size of 0: nothing to launch
         return
     device = _device(args[0])
     if device < 0:  # CPU tensors: the interpreter (TRITON_INTERPRET=1)
@@ -127,10 +144,10 @@ def launch(
         *constexprs.values(),
         *options.items(),
     )
-    compiled = _compiled.get(key)
+    entry = _compiled.get(key)
     # torch._C._cuda_getDevice: torch.cuda.current_device without its lazy-init check (a cached
     # kernel means CUDA is initialized).
-    if compiled is None or device != torch._C._cuda_getDevice() or _launch_hooks_installed():
+    if entry is None or device != torch._C._cuda_getDevice() or _launch_hooks_installed():
         # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
         _check_order(kernel, args, constexprs)
         options["num_warps"] = num_warps
@@ -139,14 +156,23 @@ def launch(
         with torch.cuda.device(device):
             compiled = kernel[grid](*args, **constexprs, **options)
         if not runs_under_interpreter(kernel):
-            _compiled[key] = compiled
+            kinds = native.kinds(compiled) if native.get() is not None else None
+            meta = compiled.metadata
+            _compiled[key] = (compiled, kinds, 32 * meta.num_warps, meta.shared)
         return
+    compiled, kinds, threads, shared = entry
     grid_x, grid_y, grid_z = grid + (1,) * (3 - len(grid))
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    if kinds is not None and native.get().launch(
+        compiled.function, grid_x, grid_y, grid_z, threads, shared, stream, kinds,
+        *args, *constexprs.values(),
+    ):  # fmt: skip
+        return
     compiled.run(
         grid_x,
         grid_y,
         grid_z,
-        torch._C._cuda_getCurrentRawStream(device),
+        stream,
         compiled.function,
         compiled.packed_metadata,
         None,  # launch metadata, enter hook, exit hook: only for profiler hooks, checked above

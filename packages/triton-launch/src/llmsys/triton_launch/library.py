@@ -2,9 +2,10 @@
 
 Each op is defined on a ``torch.library.Library`` fragment with one Python implementation for
 CPU and CUDA and a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` keeps it as
-one node and CUDA graphs capture its launches. An op that is differentiable by itself gets an
-Autograd-key kernel built from an ``autograd.Function`` that lives in the package's
-``functional.py``.
+one node and CUDA graphs capture its launches. Every package calls its ops the same way: the
+public function takes the package's ``autograd.Function`` when grad is wanted (``wants_grad``),
+else ``call_below_autograd(op, ...)``; an op called by its registered name is differentiable
+(or refuses gradients) through torch's own ``torch.library.register_autograd``.
 
 In eager mode on plain tensors the dispatcher can only hand the arguments to that Python
 implementation, and each trip through it costs several microseconds of host time (more than
@@ -15,8 +16,8 @@ function modes (fake tensors), functorch transforms, ``torch.jit.trace``, the pr
 then shows the op by name), and for tensor subclasses or devices other than CPU and CUDA
 (``_direct_call_ok``).
 
-Why not ``torch.library.custom_op``, ``triton_op`` or ``register_autograd``: each adds a layer
-of Python around every eager call; measured in DECISIONS.md.
+Why not ``torch.library.custom_op`` or ``triton_op``: each adds a layer of Python around every
+eager call; measured in DECISIONS.md.
 """
 
 from __future__ import annotations
@@ -73,60 +74,33 @@ def _direct_call_ok(args: tuple) -> bool:
     return True
 
 
-def _wants_grad(args: tuple) -> bool:
-    """Grad mode on, autograd not switched off for this thread (``_AutoDispatchBelowAutograd``,
-    as inside ``custom_op``'s no-grad path), and a tensor argument requiring grad."""
-    if torch.is_grad_enabled() and not torch._C._dispatch_tls_is_dispatch_key_excluded(_AUTOGRAD):
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                return True
+def wants_grad(*args) -> bool:
+    """Whether autograd would record a call with these arguments: grad mode on, autograd not
+    switched off for this thread (``_AutoDispatchBelowAutograd``, as inside ``custom_op``'s
+    no-grad path), and a tensor argument requiring grad. A public function takes its
+    ``autograd.Function`` when this is true, else ``call_below_autograd``."""
+    if not torch.is_grad_enabled():
+        return False
+    # (dynamo cannot trace the dispatch-key test; a compiled graph is never below autograd)
+    if not torch.compiler.is_compiling() and torch._C._dispatch_tls_is_dispatch_key_excluded(
+        _AUTOGRAD
+    ):
+        return False
+    for arg in args:  # noqa: SIM110 - a loop, not a generator: this runs on every call
+        if isinstance(arg, torch.Tensor) and arg.requires_grad:
+            return True
     return False
 
 
 def call_below_autograd(op, *args):
-    """Call ``op`` from an ``autograd.Function``'s forward or backward, or where no argument
-    requires grad: its impl directly when that is all the dispatcher would do, else the op.
-    A backward run with ``create_graph=True`` (grad mode on, saved inputs requiring grad) goes
-    through the op, so its autograd sees the call as it would without this shortcut."""
-    if _direct_call_ok(args) and not _wants_grad(args):
-        return _impls[op](*args)
+    """Call ``op`` where autograd has nothing to record: from an ``autograd.Function``'s forward
+    or backward, or where no argument requires grad. Its impl directly when that is all the
+    dispatcher would do, else the op. A backward run with ``create_graph=True`` (grad mode on,
+    saved inputs requiring grad) goes through the op, so its autograd sees the call as it would
+    without this shortcut."""
+    impl = _impls.get(op)
+    if impl is None:
+        raise ValueError(f"call_below_autograd: `op` must be an op made by define_op, got {op}")
+    if _direct_call_ok(args) and not wants_grad(*args):
+        return impl(*args)
     return op(*args)
-
-
-def register_autograd(
-    lib: torch.library.Library,
-    op,
-    function: type[torch.autograd.Function] | None = None,
-    refuse: Callable[[], Exception] | None = None,
-) -> Callable:
-    """Give ``op`` an Autograd-key kernel, and return ``op`` as a function that skips the
-    dispatcher where it can: the package's public function calls that.
-
-    When grad mode is on and a tensor argument requires grad: ``function.apply(*args)`` if a
-    Function is given, else ``raise refuse()`` if given, else the op runs as below. Otherwise
-    the op runs below autograd and its outputs do not require grad.
-
-    This is what ``torch.library.register_autograd`` does, without its generic wrapper, which
-    costs more host time than the op's launch (DECISIONS.md).
-    """
-    name = op._schema.name.split("::", 1)[1]
-
-    def run(args: tuple, direct: bool):
-        if _wants_grad(args):
-            if function is not None:
-                return function.apply(*args)
-            if refuse is not None:
-                raise refuse()
-        if direct:
-            return _impls[op](*args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-
-    lib.impl(name, lambda *args: run(args, _direct_call_ok(args)), "Autograd")
-
-    def call(*args):
-        return run(args, True) if _direct_call_ok(args) else op(*args)
-
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = f"``torch.ops.{op._schema.name}(*args)``, past the dispatcher where it can."
-    return call

@@ -1,0 +1,106 @@
+"""The C launcher (``native_launch.c``), compiled at first use as Triton compiles its own driver
+stub, and the per-kernel facts it needs.
+
+``get()`` returns the loaded module, or None where it cannot be had (no C compiler, no Python
+headers, ``LLMSYS_NATIVE_LAUNCH=0``): ``launch`` then calls Triton's ``CompiledKernel.run``, the
+pure-Python fallback, which works everywhere and costs about 4 us more per launch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import warnings
+from functools import cache
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("native_launch.c")
+# Triton signature types -> native_launch.c's kinds (pointers, integers, floats, constexprs).
+_KINDS = {"i1": "b", "i8": None, "i32": "i", "i64": "l", "u32": "I", "u64": "L"}
+_KINDS |= {"fp32": "f", "f32": "f", "fp64": "d", "constexpr": "-"}
+MAX_SHARED_BYTES = 228 * 1024  # above this Triton asks for an oversized-shared-memory launch
+
+
+def cache_dir() -> Path:
+    """Where the compiled module is kept: ``$LLMSYS_CACHE_DIR``, else ``~/.cache/llmsys``."""
+    return Path(os.environ.get("LLMSYS_CACHE_DIR") or Path.home() / ".cache" / "llmsys")
+
+
+def build(directory: Path | None = None) -> Path:
+    """Compile ``native_launch.c`` into ``directory`` (default ``cache_dir()``) once per source
+    and interpreter; returns the shared library's path."""
+    directory = cache_dir() if directory is None else directory
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + suffix.encode()).hexdigest()[:16]
+    target = directory / f"native_launch_{tag}{suffix}"
+    if target.exists():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc or clang)")
+    include = sysconfig.get_paths()["include"]
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        built = Path(scratch) / target.name
+        command = [compiler, "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o"]
+        result = subprocess.run([*command, str(built), "-ldl"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr}")
+        os.replace(built, target)  # atomic: concurrent first uses each build, one wins
+    return target
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location("native_launch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@cache
+def get():
+    """The compiled ``native_launch`` module, or None (with one warning saying why)."""
+    if os.environ.get("LLMSYS_NATIVE_LAUNCH", "1") == "0":
+        return None
+    try:
+        return load(build())
+    except Exception as error:  # any failure to build or load: the Python launch still works
+        warnings.warn(
+            f"llmsys.triton_launch: the C launcher is unavailable ({error}); launching through "
+            "Triton's CompiledKernel.run, about 4 us more per call",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def kinds(compiled) -> bytes | None:
+    """``native_launch``'s kinds for a compiled kernel's arguments, or None when the kernel needs
+    something only Triton's launcher does (scratch buffers, clusters, cooperative grids,
+    programmatic dependent launch, tensor descriptors, 16-bit float scalars)."""
+    meta = compiled.metadata
+    if (
+        getattr(meta, "num_ctas", 1) != 1
+        or getattr(meta, "launch_cooperative_grid", False)
+        or getattr(meta, "launch_pdl", False)
+        or getattr(meta, "global_scratch_size", 0)
+        or getattr(meta, "profile_scratch_size", 0)
+        or meta.shared > MAX_SHARED_BYTES
+    ):
+        return None
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(signature, dict):
+        return None
+    out = []
+    for ty in signature.values():
+        kind = "p" if isinstance(ty, str) and ty.startswith("*") else _KINDS.get(ty)
+        if kind is None:  # a tuple, a tensor descriptor, a 16-bit scalar: Triton's launcher
+            return None
+        out.append(kind)
+    return "".join(out).encode()
