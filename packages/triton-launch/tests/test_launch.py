@@ -157,6 +157,27 @@ def test_the_c_launcher_packs_each_kind_as_the_driver_reads_it():
         module.pack(b"i", "not an int")
 
 
+def test_the_c_key_follows_tritons_specialization():
+    module = native.get()
+    x = torch.randn(8)
+    key = module.key(("head",), (x, x[1:], 1, 32, 7, 2**40, 2.5, True), {"BLOCK": 4})
+    # an int: 16 + 4 * (== 1) + 2 * (% 16 == 0) + (fits in 32 bits)
+    assert key == (
+        "head",
+        (torch.float32, True),
+        (torch.float32, False),
+        21,
+        19,
+        17,
+        18,
+        float,
+        True,
+        4,
+    )
+    assert module.key((), (x, None), {}) is None  # keyed in Python (launcher._python_key)
+    assert module.key((), (2**70,), {}) is None
+
+
 def test_the_kinds_of_a_compiled_signature():
     class Meta:
         num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False

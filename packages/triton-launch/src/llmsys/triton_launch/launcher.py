@@ -23,7 +23,8 @@ try:  # host-side tensor descriptors for the copy engine (triton >= 3.4)
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-# key -> (compiled kernel, its native_launch kinds or None, threads per program, shared bytes)
+# specialization key -> (compiled kernel, its native_launch kinds or None, threads per program,
+# shared bytes, CUfunction): the layout native_launch.c reads.
 _compiled: dict[tuple, tuple] = {}
 
 
@@ -55,6 +56,12 @@ def _key(value) -> object:
     if TensorDescriptor is not None and type(value) is TensorDescriptor:
         return TensorDescriptor, value.base.dtype, tuple(value.block_shape)
     return type(value), value
+
+
+def _python_key(head: tuple, args: tuple, constexprs: dict) -> tuple:
+    """The specialization key where the C launcher is not built or an argument is one it does
+    not key (a tensor descriptor, None, an int past 64 bits)."""
+    return (*head, *[_key(a) for a in args], *constexprs.values())
 
 
 def _device(first) -> int:
@@ -118,56 +125,53 @@ def launch(
     CPU tensors (under ``TRITON_INTERPRET=1``), a device other than the current one, and
     installed Triton launch hooks (profilers) take the ordinary launch.
     """
-    grid = (grid,) if type(grid) is int and grid > 0 else _checked_grid(grid)
-    if grid is None:  # a size of 0: nothing to launch
-        return
+    if type(grid) is int and grid > 0:
+        grid_x, grid_y, grid_z = grid, 1, 1
+    else:
+        sizes = _checked_grid(grid)
+        if sizes is None:  # a size of 0: nothing to launch
+            return
+        grid_x, grid_y, grid_z = sizes + (1,) * (3 - len(sizes))
+    if type(args) is not tuple:
+        args = tuple(args)
     device = _device(args[0])
     if device < 0:  # CPU tensors: the interpreter (TRITON_INTERPRET=1)
         _check_order(kernel, args, constexprs)
-        kernel[grid](*args, **constexprs)
+        kernel[(grid_x, grid_y, grid_z)](*args, **constexprs)
         return
-    # Tensors and ints are inlined rather than sent through _key: a function call per argument
-    # is a measurable part of a 15 us call. (Subclasses such as nn.Parameter go through _key.)
-    key = (
-        kernel,
-        device,
-        num_warps,
-        num_stages,
-        *[
-            (a.dtype, a.data_ptr() % 16 == 0)
-            if type(a) is torch.Tensor
-            else (a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
-            if type(a) is int
-            else _key(a)
-            for a in args
-        ],
-        *constexprs.values(),
-        *options.items(),
-    )
+    head = (kernel, device, num_warps, num_stages, *options.items())
+    module = native.get()
+    # torch._C._cuda_getDevice: torch.cuda.current_device without its lazy-init check (a
+    # compiled kernel means CUDA is initialized).
+    fast = device == torch._C._cuda_getDevice() and not _launch_hooks_installed()
+    key = None
+    if fast:
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        if module is not None:
+            key = module.launch_cached(
+                _compiled, head, grid_x, grid_y, grid_z, stream, args, constexprs
+            )
+            if key is True:  # the C launcher found the kernel and launched it
+                return
+    if key is None:
+        key = module.key(head, args, constexprs) if module is not None else None
+        if key is None:
+            key = _python_key(head, args, constexprs)
     entry = _compiled.get(key)
-    # torch._C._cuda_getDevice: torch.cuda.current_device without its lazy-init check (a cached
-    # kernel means CUDA is initialized).
-    if entry is None or device != torch._C._cuda_getDevice() or _launch_hooks_installed():
+    if entry is None or not fast:
         # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
         _check_order(kernel, args, constexprs)
         options["num_warps"] = num_warps
         if num_stages is not None:
             options["num_stages"] = num_stages
         with torch.cuda.device(device):
-            compiled = kernel[grid](*args, **constexprs, **options)
+            compiled = kernel[(grid_x, grid_y, grid_z)](*args, **constexprs, **options)
         if not runs_under_interpreter(kernel):
-            kinds = native.kinds(compiled) if native.get() is not None else None
+            kinds = native.kinds(compiled) if module is not None else None
             meta = compiled.metadata
-            _compiled[key] = (compiled, kinds, 32 * meta.num_warps, meta.shared)
+            _compiled[key] = (compiled, kinds, 32 * meta.num_warps, meta.shared, compiled.function)
         return
-    compiled, kinds, threads, shared = entry
-    grid_x, grid_y, grid_z = grid + (1,) * (3 - len(grid))
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    if kinds is not None and native.get().launch(
-        compiled.function, grid_x, grid_y, grid_z, threads, shared, stream, kinds,
-        *args, *constexprs.values(),
-    ):  # fmt: skip
-        return
+    compiled = entry[0]  # a kernel the C launcher does not take: Triton's launcher
     compiled.run(
         grid_x,
         grid_y,

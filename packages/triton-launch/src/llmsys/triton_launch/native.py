@@ -19,6 +19,8 @@ import warnings
 from functools import cache
 from pathlib import Path
 
+import torch
+
 SOURCE = Path(__file__).with_name("native_launch.c")
 # Triton signature types -> native_launch.c's kinds (pointers, integers, floats, constexprs).
 _KINDS = {"i1": "b", "i8": None, "i32": "i", "i64": "l", "u32": "I", "u64": "L"}
@@ -69,7 +71,9 @@ def get():
     if os.environ.get("LLMSYS_NATIVE_LAUNCH", "1") == "0":
         return None
     try:
-        return load(build())
+        module = load(build())
+        module.init(torch.Tensor)
+        return module
     except Exception as error:  # any failure to build or load: the Python launch still works
         warnings.warn(
             f"llmsys.triton_launch: the C launcher is unavailable ({error}); launching through "

@@ -1,15 +1,26 @@
-/* The launch floor: pack a Triton kernel's arguments and call cuLaunchKernel, in C.
+/* The launch floor: look a Triton kernel's specialization up, pack its arguments and call
+ * cuLaunchKernel, all in C.
  *
- * Triton's own launcher (CompiledKernel.run) does the same job, plus per-call Python (scratch
- * buffers, hooks) and one driver query per pointer argument (cuPointerGetAttribute, to validate
- * it): about 6.8 us per call on an H100 host, against 2-3 us here (DECISIONS.md). The callers in
- * native.py only come here when none of that is needed: no scratch buffers, no launch hooks, no
- * clusters, cooperative grids or programmatic dependent launch, and CUDA tensors on the current
- * device.
+ * Triton's own launcher (CompiledKernel.run) does the packing and launch plus per-call Python
+ * (scratch buffers, hooks) and one driver query per pointer argument (cuPointerGetAttribute, to
+ * validate it); launcher.py's key for the cache of compiled kernels cost as much again in Python
+ * (DECISIONS.md). launcher.py comes here only when none of Triton's extras is needed: no scratch
+ * buffers, launch hooks, clusters, cooperative grids or programmatic dependent launch, and CUDA
+ * tensors on the current device.
  *
- *   launch(function, grid_x, grid_y, grid_z, threads, shared_bytes, stream, kinds, *args)
- *       -> True, or False when the thread has no current CUDA context (nothing launched)
- *   pack(kinds, *args) -> bytes         (the parameter bytes, for tests without a GPU)
+ *   init(tensor_type)          once: torch.Tensor, so tensors are recognised in C
+ *   launch_cached(cache, head, grid_x, grid_y, grid_z, stream, args, constexprs)
+ *       -> True: launched. Else the specialization key (a tuple): launcher.py compiles (a miss)
+ *          or launches through Triton (an entry without kinds, or no current CUDA context).
+ *          None: an argument this key does not cover (launcher.py keys it in Python).
+ *   key(head, args, constexprs) -> the same key, or None
+ *   pack(kinds, *args) -> bytes            (the parameter bytes, for tests without a GPU)
+ *
+ * The key is head + one entry per argument + the constexpr values. Triton specializes a pointer
+ * on its dtype and 16-byte alignment, an int on being 1, on divisibility by 16 and on its width:
+ * a tensor's entry is (dtype, aligned), an int's a code 16 + 4 * (== 1) + 2 * (% 16 == 0) +
+ * (fits in 32 bits), a bool is itself, a float is the float type (floats are not specialized).
+ * A cache entry is (compiled kernel, kinds or None, threads per program, shared bytes, function).
  *
  * `kinds` holds one character per kernel argument, in signature order:
  *   'p' a tensor (its data_ptr()) or an int address, 8 bytes    'i' int32   'l' int64
@@ -75,9 +86,10 @@ static int address(PyObject *arg, uint64_t *out) {
     return !PyErr_Occurred();
 }
 
-/* Fill slots[] and params[] from args by kinds; returns the number of parameters, or -1. */
-static int pack_params(const char *kinds, Py_ssize_t n_kinds, PyObject *const *args, Slot *slots,
-                       void **params) {
+/* Fill slots[] and params[] from args by kinds (pointers from ptrs[] where given); returns the
+ * number of parameters, or -1. */
+static int pack_params(const char *kinds, Py_ssize_t n_kinds, PyObject *const *args,
+                       const uint64_t *ptrs, Slot *slots, void **params) {
     int n = 0;
     for (Py_ssize_t i = 0; i < n_kinds; ++i) {
         PyObject *arg = args[i];
@@ -86,7 +98,8 @@ static int pack_params(const char *kinds, Py_ssize_t n_kinds, PyObject *const *a
         case '-':
             continue;
         case 'p':
-            if (!address(arg, &slot->u64)) return -1;
+            if (ptrs != NULL) slot->u64 = ptrs[i];
+            else if (!address(arg, &slot->u64)) return -1;
             break;
         case 'i':
             slot->i32 = (int32_t)PyLong_AsLong(arg);
@@ -135,32 +148,140 @@ static int read_kinds(PyObject *obj, Py_ssize_t n_args, const char **kinds, Py_s
     return 1;
 }
 
-static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 8) {
-        PyErr_SetString(PyExc_TypeError, "native_launch.launch: too few arguments");
+static PyObject *tensor_type = NULL;
+static PyObject *dtype_name = NULL;
+static PyObject *data_ptr_name = NULL;
+
+static PyObject *init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "native_launch.init: expected torch.Tensor");
         return NULL;
     }
-    void *function = PyLong_AsVoidPtr(args[0]);
-    unsigned grid_x = (unsigned)PyLong_AsUnsignedLong(args[1]);
-    unsigned grid_y = (unsigned)PyLong_AsUnsignedLong(args[2]);
-    unsigned grid_z = (unsigned)PyLong_AsUnsignedLong(args[3]);
-    unsigned threads = (unsigned)PyLong_AsUnsignedLong(args[4]);
-    unsigned shared = (unsigned)PyLong_AsUnsignedLong(args[5]);
-    void *stream = PyLong_AsVoidPtr(args[6]);
-    if (PyErr_Occurred()) return NULL;
-    const char *kinds;
-    Py_ssize_t n_kinds;
-    if (!read_kinds(args[7], nargs - 8, &kinds, &n_kinds)) return NULL;
+    Py_XSETREF(tensor_type, Py_NewRef(args[0]));
+    if (dtype_name == NULL) dtype_name = PyUnicode_InternFromString("dtype");
+    if (data_ptr_name == NULL) data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    Py_RETURN_NONE;
+}
+
+/* The key (a new tuple) of head + args + constexprs; ptrs[i] gets tensor i's address. NULL with
+ * no error set: an argument the key does not cover. */
+static PyObject *make_key(PyObject *head, PyObject *args, PyObject *constexprs, uint64_t *ptrs) {
+    if (tensor_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "native_launch: init() was not called");
+        return NULL;
+    }
+    if (!PyTuple_Check(head) || !PyTuple_Check(args) || !PyDict_Check(constexprs)) {
+        PyErr_SetString(PyExc_TypeError, "native_launch: head, args, constexprs: tuple, tuple, dict");
+        return NULL;
+    }
+    Py_ssize_t n_head = PyTuple_GET_SIZE(head), n_args = PyTuple_GET_SIZE(args);
+    if (n_args + PyDict_GET_SIZE(constexprs) + 2 > MAX_PARAMS) return NULL;
+    PyObject *key = PyTuple_New(n_head + n_args + PyDict_GET_SIZE(constexprs));
+    if (key == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n_head; ++i)
+        PyTuple_SET_ITEM(key, i, Py_NewRef(PyTuple_GET_ITEM(head, i)));
+    for (Py_ssize_t i = 0; i < n_args; ++i) {
+        PyObject *arg = PyTuple_GET_ITEM(args, i), *entry;
+        if (PyObject_TypeCheck(arg, (PyTypeObject *)tensor_type)) {
+            PyObject *dtype = PyObject_GetAttr(arg, dtype_name);
+            if (dtype == NULL) goto error;
+            PyObject *ptr = PyObject_CallMethodNoArgs(arg, data_ptr_name);
+            if (ptr == NULL) { Py_DECREF(dtype); goto error; }
+            ptrs[i] = PyLong_AsUnsignedLongLong(ptr);
+            Py_DECREF(ptr);
+            if (PyErr_Occurred()) { Py_DECREF(dtype); goto error; }
+            entry = PyTuple_Pack(2, dtype, ptrs[i] % 16 == 0 ? Py_True : Py_False);
+            Py_DECREF(dtype);
+            if (entry == NULL) goto error;
+        } else if (PyBool_Check(arg)) {
+            entry = Py_NewRef(arg);
+        } else if (PyLong_CheckExact(arg)) {
+            int overflow;
+            long long v = PyLong_AsLongLongAndOverflow(arg, &overflow);
+            if (overflow) goto uncovered; /* past int64: Triton's u64 rules, keyed in Python */
+            if (v == -1 && PyErr_Occurred()) goto error;
+            entry = PyLong_FromLong(16 + 4 * (v == 1) + 2 * (v % 16 == 0) +
+                                    (v >= -2147483648LL && v < 2147483648LL));
+        } else if (PyFloat_CheckExact(arg)) {
+            entry = Py_NewRef((PyObject *)&PyFloat_Type);
+        } else {
+            goto uncovered;
+        }
+        PyTuple_SET_ITEM(key, n_head + i, entry);
+    }
+    Py_ssize_t position = 0, i = n_head + n_args;
+    PyObject *name, *value;
+    while (PyDict_Next(constexprs, &position, &name, &value))
+        PyTuple_SET_ITEM(key, i++, Py_NewRef(value));
+    return key;
+uncovered:
+    Py_DECREF(key);
+    return NULL;
+error:
+    Py_DECREF(key);
+    return NULL;
+}
+
+static PyObject *key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "native_launch.key(head, args, constexprs)");
+        return NULL;
+    }
+    uint64_t ptrs[MAX_PARAMS];
+    PyObject *result = make_key(args[0], args[1], args[2], ptrs);
+    if (result == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return result;
+}
+
+static PyObject *launch_cached(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8 || !PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "native_launch.launch_cached: "
+                        "(cache, head, grid_x, grid_y, grid_z, stream, args, constexprs)");
+        return NULL;
+    }
+    uint64_t ptrs[MAX_PARAMS];
+    PyObject *kernel_args = args[6];
+    PyObject *key = make_key(args[1], kernel_args, args[7], ptrs);
+    if (key == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *entry = PyDict_GetItemWithError(args[0], key); /* borrowed */
+    if (entry == NULL) {
+        if (PyErr_Occurred()) { Py_DECREF(key); return NULL; }
+        return key; /* a miss: compile */
+    }
+    PyObject *kinds_obj = PyTuple_GET_ITEM(entry, 1);
+    if (kinds_obj == Py_None) return key; /* Triton's launcher */
+    const char *kinds = PyBytes_AS_STRING(kinds_obj);
+    Py_ssize_t n_kinds = PyBytes_GET_SIZE(kinds_obj), n_args = PyTuple_GET_SIZE(kernel_args);
+    if (n_kinds < n_args) return key;
+    for (Py_ssize_t i = n_args; i < n_kinds; ++i)
+        if (kinds[i] != '-') return key; /* a constexpr that is a parameter: Triton's launcher */
     Slot slots[MAX_PARAMS];
     void *params[MAX_PARAMS];
-    if (pack_params(kinds, n_kinds, args + 8, slots, params) < 0) return NULL;
-    if (cu_launch_kernel == NULL && !load_driver()) return NULL;
+    if (pack_params(kinds, n_args, &PyTuple_GET_ITEM(kernel_args, 0), ptrs, slots, params) < 0) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    void *function = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 4));
+    unsigned threads = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(entry, 2));
+    unsigned shared = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(entry, 3));
+    unsigned grid_x = (unsigned)PyLong_AsUnsignedLong(args[2]);
+    unsigned grid_y = (unsigned)PyLong_AsUnsignedLong(args[3]);
+    unsigned grid_z = (unsigned)PyLong_AsUnsignedLong(args[4]);
+    void *stream = PyLong_AsVoidPtr(args[5]);
+    if (PyErr_Occurred() || (cu_launch_kernel == NULL && !load_driver())) {
+        Py_DECREF(key);
+        return NULL;
+    }
     CUresult status;
     Py_BEGIN_ALLOW_THREADS;
     status = cu_launch_kernel(function, grid_x, grid_y, grid_z, threads, 1, 1, shared, stream,
                               params, NULL);
     Py_END_ALLOW_THREADS;
-    if (status == 201) Py_RETURN_FALSE; /* no current context on this thread: Triton's path */
+    if (status == 201) return key; /* no current context on this thread: Triton's launcher */
+    Py_DECREF(key);
     if (status != 0) {
         const char *message = "unknown error";
         if (cu_get_error_string != NULL) cu_get_error_string(status, &message);
@@ -181,7 +302,7 @@ static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (!read_kinds(args[0], nargs - 1, &kinds, &n_kinds)) return NULL;
     Slot slots[MAX_PARAMS];
     void *params[MAX_PARAMS];
-    int n = pack_params(kinds, n_kinds, args + 1, slots, params);
+    int n = pack_params(kinds, n_kinds, args + 1, NULL, slots, params);
     if (n < 0) return NULL;
     /* Each parameter as the driver reads it: its own width, in order. */
     char buffer[MAX_PARAMS * 8];
@@ -204,7 +325,10 @@ static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static PyMethodDef methods[] = {
-    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL, "Launch a compiled kernel."},
+    {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL, "Set the tensor type."},
+    {"key", (PyCFunction)(void (*)(void))key, METH_FASTCALL, "The specialization key."},
+    {"launch_cached", (PyCFunction)(void (*)(void))launch_cached, METH_FASTCALL,
+     "Look the specialization up and launch it."},
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, "The packed parameter bytes."},
     {NULL, NULL, 0, NULL},
 };
