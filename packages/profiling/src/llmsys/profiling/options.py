@@ -60,7 +60,8 @@ class Variant:
                 )
         for name in ("compile", "checkpoint", "int8"):
             value = getattr(self, name)
-            if not isinstance(value, bool):
+            # checkpoint None: not chosen yet (the memory sweep then runs both)
+            if not isinstance(value, bool) and not (name == "checkpoint" and value is None):
                 raise ValueError(f"Variant: `{name}` must be a bool, got {value!r}")
         if not isinstance(self.preset, str):
             raise ValueError(f"Variant: `preset` must be a str, got {self.preset!r}")
