@@ -1,6 +1,8 @@
 """The bucket plan alone: a pure function of sizes, the same on every rank."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmsys.ddp import plan_buckets
 
@@ -39,9 +41,45 @@ def test_one_bucket_when_everything_fits():
 
 @pytest.mark.parametrize(
     ("args", "match"),
-    [(([1], 0), r"bucket_size_mb must be > 0, got 0"),
+    [(([1], 0), r"`bucket_size_mb` must be a finite number > 0, got 0"),
+     (([1], float("nan")), r"`bucket_size_mb` must be a finite number > 0, got nan"),
+     (([1], float("inf")), r"`bucket_size_mb` must be a finite number > 0, got inf"),
+     (([1, -5], 1.0), r"`nbytes` must hold non-negative ints, got -5 at position 1"),
+     (([float("nan")], 1.0), r"`nbytes` must hold non-negative ints, got nan at position 0"),
+     (([1.5], 1.0), r"`nbytes` must hold non-negative ints, got 1.5 at position 0"),
      (([1, 2], 1.0, ["a"]), r"kinds must have one entry per parameter \(2\), got 1")],
 )  # fmt: skip
 def test_bad_plans_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
         plan_buckets(*args)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [((5, 1.0), r"`nbytes` must be a sequence of ints, got 5"),
+     (([1], "25"), r"`bucket_size_mb` must be a number, got str"),
+     (([1], None), r"`bucket_size_mb` must be a number, got NoneType")],
+)  # fmt: skip
+def test_bad_types_are_refused(args, match):
+    with pytest.raises(TypeError, match=match):
+        plan_buckets(*args)
+
+
+ANY_NUMBER = st.one_of(
+    st.integers(-3, 10**7), st.floats(allow_nan=True, allow_infinity=True), st.booleans()
+)
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(nbytes=st.lists(ANY_NUMBER, max_size=10), cap=ANY_NUMBER)
+def test_property_a_plan_is_valid_or_the_error_names_the_argument(nbytes, cap):
+    """Any input: every parameter exactly once, no bucket over the cap unless alone, or an
+    error naming `nbytes` / `bucket_size_mb`."""
+    try:
+        buckets = plan_buckets(nbytes, cap)
+    except (TypeError, ValueError) as error:
+        assert "`nbytes`" in str(error) or "`bucket_size_mb`" in str(error)
+        return
+    assert sorted(i for bucket in buckets for i in bucket) == list(range(len(nbytes)))
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(nbytes[i] for i in bucket) <= cap * 2**20

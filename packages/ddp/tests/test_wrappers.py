@@ -376,7 +376,9 @@ def test_bf16_gradients_on_the_wire_follow_the_float32_loss_curve(two_ranks):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        (dict(bucket_size_mb=0), ValueError, r"bucket_size_mb must be > 0, got 0"),
+        (dict(bucket_size_mb=0), ValueError, r"bucket_size_mb must be a finite number > 0, got 0"),
+        (dict(bucket_size_mb=float("nan")), ValueError, r"bucket_size_mb must be a finite .*nan"),
+        (dict(bucket_size_mb=float("inf")), ValueError, r"bucket_size_mb must be a finite .*inf"),
         (dict(bucket_size_mb="25"), TypeError, r"bucket_size_mb must be a number, got str"),
         (dict(grad_dtype=torch.int8), TypeError, r"grad_dtype must be None or a floating"),
     ],

@@ -137,13 +137,26 @@ def test_quantize_linears_swaps_every_plain_linear_in_place(device):
         ("mlp.*", ["mlp.0", "mlp.2"]),
         (["head.*", "mlp.2"], ["mlp.2", "head.proj"]),
         (lambda name, layer: layer.out_features == 48, ["mlp.0"]),
-        ([], []),
     ],
-    ids=["pattern", "patterns", "callable", "none"],
+    ids=["pattern", "patterns", "callable"],
 )
-def test_quantize_linears_include(include, expected, device):
-    model = quantize_linears(Block(device), include=include)
+def test_quantize_linears_include(include, expected, device, caplog):
+    with caplog.at_level("INFO", logger="llmsys.kernels_int8.modules"):
+        model = quantize_linears(Block(device), include=include)
     assert swapped(model) == expected
+    assert f"swapped {len(expected)} nn.Linear for Int8Linear: {expected}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "include", [[], "nothing.*", lambda name, layer: False], ids=["empty", "pattern", "callable"]
+)
+def test_quantize_linears_refuses_to_swap_nothing(include, device):
+    model = Block(device)
+    with pytest.raises(ValueError, match=r"`include` .* must select at least one nn.Linear"):
+        quantize_linears(model, include=include)
+    assert swapped(model) == []
+    with pytest.raises(ValueError, match=r"which has no nn.Linear layer"):
+        quantize_linears(nn.Sequential(nn.ReLU()))
 
 
 def test_quantize_linears_bad_input():

@@ -60,10 +60,14 @@ def test_patched_models_match_the_stock_model(family, device, monkeypatch):
     assert_matches_stock(got, want, TOL[torch.device(device).type])
 
 
-def test_patching_twice_changes_nothing():
-    model = patch_gated_mlps(tiny_model())
+def test_patching_twice_changes_nothing(caplog):
+    with caplog.at_level("INFO", logger="llmsys.kernels_swiglu.hf"):
+        model = patch_gated_mlps(tiny_model())
+    assert "patched 2 gated MLP(s): ['model.layers.0.mlp', 'model.layers.1.mlp']" in caplog.text
     mlps = [m for m in model.modules() if isinstance(m, SwiGLUGatedMLP)]
-    assert patch_gated_mlps(model) is model
+    with caplog.at_level("INFO", logger="llmsys.kernels_swiglu.hf"):
+        assert patch_gated_mlps(model) is model
+    assert "patched already; nothing changed" in caplog.text
     assert [m for m in model.modules() if isinstance(m, SwiGLUGatedMLP)] == mlps
 
 

@@ -75,7 +75,7 @@ def test_bad_values_are_clear_errors(capsys):
         main(["linear", "--tokens", "1", "--in", "1", "--out", "1", "--bandwidth-tbs", "-1",
               "--tflops", "1"])  # fmt: skip
     assert exit_.value.code == 2
-    assert "memory_bandwidth" in capsys.readouterr().err
+    assert "--bandwidth-tbs: must be a finite number > 0, got -1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["matmul", "-m", "0", "-n", "1", "-k", "1"])
     assert "must be a positive int" in capsys.readouterr().err
@@ -144,3 +144,33 @@ def test_summary_has_a_line_per_kernel_mode_and_provider():
     groups = {(c.kernel, c.mode, c.provider) for c in checks}
     assert len(summary.splitlines()) == 2 + len(groups)
     assert "| swiglu | fwd | ours |" in summary
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bandwidth-tbs", "nan", "--tflops", "1"], "--bandwidth-tbs: must be a finite number"),
+        (["--bandwidth-tbs", "1", "--tflops", "inf"], "--tflops: must be a finite number > 0"),
+        (["--gpu", "H100", "--latency-us", "nan"], "--latency-us: must be a finite number >= 0"),
+        (["--gpu", "H100", "--nvlink-gbs", "0"], "--nvlink-gbs: must be a finite number > 0"),
+    ],
+)
+def test_non_finite_hardware_options_are_refused_by_name(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["linear", "--tokens", "1", "--in", "1", "--out", "1", *args])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["memory", "--context", "0"], "--context: must be a positive int"),
+        (["memory", "--ffn", "8", "0", "2"], "--ffn: must be a positive int"),
+        (["memory", "--tokens-per-device", "-3"], "--tokens-per-device: must be a non-negative"),
+    ],
+)
+def test_model_options_are_checked(args, message, capsys):
+    with pytest.raises(SystemExit):
+        main(args)
+    assert message in capsys.readouterr().err

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from sharded_optim_helpers import OPTIMIZERS, make_model, param_groups, train
+from sharded_optim_helpers import OPTIMIZERS, backward, make_model, param_groups, train
 
 from llmsys.sharded_optim import ShardedOptimizer
 
@@ -176,9 +176,15 @@ def test_optimizer_cls_must_be_the_class_not_an_instance(model):
         ([torch.ones(2, requires_grad=True) * 2], ValueError, r"leaf tensors .* at position 0"),
         ([{"params": {torch.ones(2)}}], TypeError, r"`params` must be a tensor or an ordered"),
         ([{"lr": 0.1}], TypeError, r"`param_group` must be a dict with a 'params' entry"),
+        ({torch.ones(2)}, TypeError, r"`params` must be an ordered iterable .* got a set"),
+        (frozenset({torch.ones(2)}), TypeError, r"`params` must be an ordered .* frozenset"),
+        ({"params": [torch.ones(2)]}, TypeError, r"`params` must be an iterable .* got dict"),
     ],
-    ids=["tensor", "int", "empty", "mixed", "not-a-tensor", "non-leaf", "set", "no-params"],
-)
+    ids=[
+        "tensor", "int", "empty", "mixed", "not-a-tensor", "non-leaf", "group-set", "no-params",
+        "set", "frozenset", "one-group-dict",
+    ],
+)  # fmt: skip
 def test_bad_params(params, error, message):
     with pytest.raises(error, match=message):
         ShardedOptimizer(params, torch.optim.SGD, lr=0.1)
@@ -198,11 +204,39 @@ def test_a_parameter_in_two_groups_is_an_error(model):
         optimizer.add_param_group([model.out.weight])
 
 
-@pytest.mark.parametrize("max_norm", [-1.0, "1", None, True])
-def test_clip_grad_norm_needs_a_non_negative_max_norm(model, max_norm):
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_norm": -1.0}, ValueError, r"`max_norm` must be a non-negative number, got -1.0"),
+        ({"max_norm": float("nan")}, ValueError, r"`max_norm` must be a non-negative .* nan"),
+        ({"max_norm": "1"}, TypeError, r"`max_norm` must be a number, got str"),
+        ({"max_norm": None}, TypeError, r"`max_norm` must be a number, got NoneType"),
+        ({"max_norm": True}, TypeError, r"`max_norm` must be a number, got bool"),
+        ({"max_norm": 1.0, "norm_type": float("nan")}, ValueError, r"`norm_type` must be a"),
+        ({"max_norm": 1.0, "norm_type": 0}, ValueError, r"`norm_type` must be a positive"),
+        ({"max_norm": 1.0, "norm_type": "2"}, TypeError, r"`norm_type` must be a number"),
+    ],
+)
+def test_clip_grad_norm_refuses_bad_arguments_before_touching_gradients(
+    model, kwargs, error, message
+):
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
-    with pytest.raises(ValueError, match=r"`max_norm` must be a non-negative number, got"):
-        optimizer.clip_grad_norm_(max_norm)
+    backward(model, step=0)
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with pytest.raises(error, match=message):
+        optimizer.clip_grad_norm_(**kwargs)
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(g, h) for g, h in zip(grads, after, strict=True))
+
+
+def test_clip_grad_norm_with_inf_max_norm_only_measures(model):
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    backward(model, step=0)
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    norm = optimizer.clip_grad_norm_(float("inf"))
+    assert norm.isfinite()
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(g, h) for g, h in zip(grads, after, strict=True))
 
 
 @pytest.mark.parametrize("to", [1, -1, 0.0])

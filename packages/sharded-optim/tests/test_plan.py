@@ -3,6 +3,8 @@
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import llmsys.sharded_optim as so
 from llmsys.sharded_optim import ShardPlan, plan_shards
@@ -90,3 +92,61 @@ def test_numels_must_be_non_negative_ints(numel):
         ValueError, match=r"`numels` must hold non-negative ints, got .* position 1"
     ):
         plan_shards([1, numel], 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"owners": (0, 5)}, r"`owners` must hold ranks in 0..1 \(world_size=2\), got 5 at"),
+        ({"owners": (0, -1)}, r"`owners` must hold ranks in 0..1 .* got -1"),
+        ({"owners": (0, 1.0)}, r"`owners` must hold ranks in 0..1 .* got 1.0"),
+        ({"owners": (0,), "loads": (1, 2, 3)}, r"`loads` must have one entry per rank \(2\)"),
+        ({"loads": (1, -2)}, r"`loads` must hold non-negative ints, got -2 for rank 1"),
+        ({"loads": (1, float("nan"))}, r"`loads` must hold non-negative ints, got nan"),
+    ],
+)  # fmt: skip
+def test_a_plan_holds_only_ranks_of_its_world(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ShardPlan(2, **kwargs)
+
+
+def test_owners_and_loads_must_be_tuples():
+    with pytest.raises(TypeError, match=r"`owners` must be a tuple of ints, got list"):
+        ShardPlan(2, owners=[0, 1])
+
+
+@pytest.mark.parametrize("rank", [2, -1, 0.0, "0", True])
+def test_params_of_needs_a_rank_of_the_world(rank):
+    with pytest.raises(ValueError, match=r"`rank` must be an int in 0..1, got"):
+        plan_shards([3, 4], 2).params_of(rank)
+
+
+@pytest.mark.parametrize("numels", [5, "12", None])
+def test_numels_must_be_a_sequence(numels):
+    with pytest.raises(TypeError, match=r"`numels` must be a sequence of ints"):
+        plan_shards(numels, 2)
+
+
+ANY_NUMBER = st.one_of(
+    st.integers(-3, 10**6), st.floats(allow_nan=True, allow_infinity=True), st.booleans()
+)
+
+
+@settings(max_examples=50, deadline=None, database=None)
+@given(numels=st.lists(ANY_NUMBER, max_size=8), world_size=st.one_of(ANY_NUMBER, st.none()))
+def test_property_a_plan_is_valid_or_the_error_names_the_argument(numels, world_size):
+    """Any input: a plan that keeps every invariant, or an error naming `numels`/`world_size`."""
+    original = list(numels)
+    try:
+        plan = plan_shards(numels, world_size)
+    except (TypeError, ValueError) as error:
+        assert "`numels`" in str(error) or "`world_size`" in str(error)
+        return
+    finally:
+        assert numels == original  # never mutated
+    assert len(plan.owners) == len(numels)
+    assert all(0 <= owner < world_size for owner in plan.owners)
+    assert sum(plan.loads) == sum(numels)
+    for rank in range(world_size):
+        assert sum(numels[i] for i in plan.params_of(rank)) == plan.loads[rank]
+    assert max(plan.loads) <= sum(numels) / world_size + max(numels, default=0)

@@ -7,6 +7,7 @@ would pair unrelated buckets) and the plan can be tested alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 MIB = 1024 * 1024
@@ -26,12 +27,30 @@ def plan_buckets(
         kinds: optional key per parameter (for example its dtype); a bucket never mixes
             kinds, because one all-reduce moves one dtype.
 
+    Raises:
+        TypeError: ``bucket_size_mb`` is not a number, ``nbytes`` not a sequence.
+        ValueError: ``bucket_size_mb`` is not finite and positive, an ``nbytes`` entry is not a
+            non-negative int, or ``kinds`` has another length.
+
     Returns:
         Lists of parameter indices. Buckets come in the order backward produces gradients:
         the last registered parameter first. Inside a bucket indices are in that same order.
     """
-    if bucket_size_mb <= 0:
-        raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+    if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
+        raise TypeError(
+            f"plan_buckets: `bucket_size_mb` must be a number, got {type(bucket_size_mb).__name__}"
+        )
+    if not 0 < bucket_size_mb < math.inf:  # NaN fails too
+        raise ValueError(
+            f"plan_buckets: `bucket_size_mb` must be a finite number > 0, got {bucket_size_mb}"
+        )
+    if not isinstance(nbytes, Sequence) or isinstance(nbytes, str):
+        raise TypeError(f"plan_buckets: `nbytes` must be a sequence of ints, got {nbytes!r}")
+    for index, n in enumerate(nbytes):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(
+                f"plan_buckets: `nbytes` must hold non-negative ints, got {n!r} at position {index}"
+            )
     if kinds is not None and len(kinds) != len(nbytes):
         raise ValueError(
             f"kinds must have one entry per parameter ({len(nbytes)}), got {len(kinds)}"

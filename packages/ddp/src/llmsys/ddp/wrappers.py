@@ -21,6 +21,8 @@ the buckets planned before it. Autograd's order can differ between ranks; the pl
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -223,8 +225,8 @@ class DDPBucketed(_OverlappedDataParallel):
     ):
         if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
             raise TypeError(f"bucket_size_mb must be a number, got {type(bucket_size_mb).__name__}")
-        if not bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        if not 0 < bucket_size_mb < math.inf:  # NaN fails too
+            raise ValueError(f"bucket_size_mb must be a finite number > 0, got {bucket_size_mb}")
         if grad_dtype is not None and not (
             isinstance(grad_dtype, torch.dtype) and grad_dtype.is_floating_point
         ):

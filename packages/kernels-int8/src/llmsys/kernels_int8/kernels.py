@@ -35,10 +35,19 @@ def _round_half_even(y, USE_LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _abs_nan_as_inf(x):
+    # |x| with NaN read as +inf: tl.max ignores NaN, and a NaN row must not get a finite scale.
+    return tl.where(x == x, tl.abs(x), float("inf"))
+
+
+@triton.jit
 def _store_scale(scale_ptr, rows, row_mask, amax):
     # scale = amax / 127 with IEEE division, rounded to the scale's dtype; the returned float32
     # copy of the *stored* scale is what q divides by, so q * scale is what a consumer rebuilds.
+    # A row holding a NaN or Inf (amax = inf) gets a NaN scale, so everything computed from it
+    # downstream is NaN, as the float path would give, with no host synchronisation.
     scale = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
+    scale = tl.where(amax < float("inf"), scale, float("nan"))
     scale = scale.to(scale_ptr.dtype.element_ty)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
     return scale.to(tl.float32)
@@ -47,7 +56,8 @@ def _store_scale(scale_ptr, rows, row_mask, amax):
 @triton.jit
 def _quantize(x, scale, USE_LIBDEVICE: tl.constexpr):
     # x (BLOCK_M, BLOCK_K) float32, scale (BLOCK_M,) float32 -> (BLOCK_M, BLOCK_K) int8.
-    # A row whose scale is 0 (all zeros, or a float16 scale that underflowed) gives zeros, not NaN.
+    # A row whose scale is 0 (all zeros, or a float16 scale that underflowed) gives zeros, not NaN;
+    # so does a row whose scale is NaN (it held a NaN or Inf).
     nonzero = scale > 0
     divisor = tl.broadcast_to(tl.where(nonzero, scale, 1.0)[:, None], x.shape)
     y = tl.div_rn(x, divisor)  # IEEE division, as eager `x / scale`
@@ -76,9 +86,10 @@ def quantize_int8_perrow_kernel(
 ):
     """Symmetric per-row quantization, BLOCK_M rows per program.
 
-        amax  = max_k |x[m, k]|                      (masked lanes load 0, so they never win)
-        scale = round_to_dtype(amax / 127)           stored
-        q     = rint(clamp(x / scale, -127, 127))    0 where scale == 0
+        amax  = max_k |x[m, k]|                      (masked lanes load 0, so they never win;
+                                                      NaN counts as inf)
+        scale = round_to_dtype(amax / 127)           stored; NaN where amax is inf
+        q     = rint(clamp(x / scale, -127, 127))    0 where scale is 0 or NaN
 
     ONE_PASS keeps the rows in registers between the max and the divide: 3 bytes moved per float16
     element, the floor. Rows longer than one block take two passes, the first asking L2 to keep
@@ -93,7 +104,7 @@ def quantize_int8_perrow_kernel(
         mask = row_mask[:, None] & (cols[None, :] < K)  # (BLOCK_M, BLOCK_K)
         x_ptrs = x_rows + cols[None, :].to(tl.int64) * stride_xk
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        scale = _store_scale(scale_ptr, rows, row_mask, tl.max(tl.abs(x), axis=1))
+        scale = _store_scale(scale_ptr, rows, row_mask, tl.max(_abs_nan_as_inf(x), axis=1))
         tl.store(q_rows + cols[None, :], _quantize(x, scale, USE_LIBDEVICE), mask=mask)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -101,7 +112,7 @@ def quantize_int8_perrow_kernel(
             mask = row_mask[:, None] & (k + cols[None, :] < K)
             x_ptrs = x_rows + (k + cols[None, :]).to(tl.int64) * stride_xk
             x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+            amax = tl.maximum(amax, tl.max(_abs_nan_as_inf(x.to(tl.float32)), axis=1))
         scale = _store_scale(scale_ptr, rows, row_mask, amax)
         for k in range(0, K, BLOCK_K):
             mask = row_mask[:, None] & (k + cols[None, :] < K)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
 import math
 from collections.abc import Callable, Iterable
 
@@ -14,6 +15,8 @@ from llmsys.triton_launch import checks
 from . import ops
 from .functional import matmul_int8, quantize_int8_perrow
 
+logger = logging.getLogger(__name__)
+
 
 class Int8Linear(nn.Module):
     """``y = x @ W.T + bias`` with W quantized once per output channel and x per token.
@@ -22,6 +25,11 @@ class Int8Linear(nn.Module):
     with the fp32 epilogue ``acc * x_scale[m] * w_scale[n] + bias[n]``. Inference-only: a call
     with grad mode on and an ``x`` that requires grad raises ``RuntimeError``.
 
+    A token (row of ``x``) holding a NaN or Inf gives NaN in every output of that token, as the
+    float layer would give non-finite outputs; with ``check_finite=True`` the call raises
+    ``ValueError`` naming the row instead (a device synchronization, skipped inside CUDA-graph
+    capture and torch.compile).
+
     Args:
         in_features: K.
         out_features: N.
@@ -29,6 +37,7 @@ class Int8Linear(nn.Module):
         device: where the buffers live.
         dtype: the dtype of ``weight_scale`` and ``bias`` (float16, bfloat16 or float32).
             Default float16.
+        check_finite: refuse inputs holding a NaN or Inf (see above). Default False.
 
     Buffers: ``qweight`` (N, K) int8 (the layout of ``nn.Linear.weight``, so ``qweight.t()`` is
     the column-major (K, N) operand the GEMM reads fastest), ``weight_scale`` (N,), ``bias`` (N,)
@@ -45,10 +54,13 @@ class Int8Linear(nn.Module):
         *,
         device=None,
         dtype: torch.dtype = torch.float16,
+        check_finite: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             checks.positive_int("Int8Linear", name, value)
+        _check_flag("Int8Linear", "check_finite", check_finite)
+        self.check_finite = check_finite
         if dtype not in ops.FLOAT_DTYPES:
             raise TypeError(
                 f"Int8Linear: `dtype` must be float16, bfloat16 or float32, got {dtype}"
@@ -64,11 +76,16 @@ class Int8Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_float(cls, linear: nn.Linear) -> Int8Linear:
+    def from_float(cls, linear: nn.Linear, *, check_finite: bool = False) -> Int8Linear:
         """Quantize ``linear``'s weight once, per output channel; the bias is kept as is.
+
+        A weight row (output channel) holding a NaN or Inf gets a NaN scale, so that output is
+        NaN for every token; with ``check_finite=True`` this raises ``ValueError`` naming the
+        row instead, and the module refuses non-finite inputs too.
 
         Args:
             linear: an ``nn.Linear`` with a float16, bfloat16 or float32 weight.
+            check_finite: see above. Default False.
 
         Returns:
             An ``Int8Linear`` on the weight's device, ``weight_scale`` in the weight's dtype.
@@ -89,7 +106,10 @@ class Int8Linear(nn.Module):
             bias=linear.bias is not None,
             device=weight.device,
             dtype=weight.dtype,
+            check_finite=check_finite,
         )
+        if check_finite:
+            ops.check_finite_rows("Int8Linear.from_float", "linear.weight", weight)
         qweight, scale = quantize_int8_perrow(weight)  # per output channel: (N, K), (N,)
         module.qweight.copy_(qweight)
         module.weight_scale.copy_(scale)
@@ -105,7 +125,11 @@ class Int8Linear(nn.Module):
                 f"Int8Linear: `x` must have shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
         lead = x.shape[:-1]
-        q, scale = quantize_int8_perrow(x.reshape(math.prod(lead), self.in_features))  # (M, K)
+        rows = x.reshape(math.prod(lead), self.in_features)  # (M, K)
+        if self.check_finite:
+            checks.tensor("Int8Linear", "x", rows, ops.FLOAT_DTYPES)
+            ops.check_finite_rows("Int8Linear", "x", rows)
+        q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
         out = matmul_int8(q, scale, self.qweight.t(), self.weight_scale, bias=self.bias)  # (M, N)
         return out.reshape(*lead, self.out_features)
 
@@ -113,13 +137,16 @@ class Int8Linear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, scale_dtype={self.weight_scale.dtype}"
+            + (", check_finite=True" if self.check_finite else "")
         )
 
 
 Include = str | Iterable[str] | Callable[[str, nn.Linear], bool] | None
 
 
-def quantize_linears(model: nn.Module, include: Include = None) -> nn.Module:
+def quantize_linears(
+    model: nn.Module, include: Include = None, *, check_finite: bool = False
+) -> nn.Module:
     """Swap ``nn.Linear`` layers of ``model`` in place for :class:`Int8Linear` (inference).
 
     Args:
@@ -131,9 +158,16 @@ def quantize_linears(model: nn.Module, include: Include = None) -> nn.Module:
             callable ``include(name, linear) -> bool`` decides per layer. Subclasses of
             ``nn.Linear`` (e.g. inside ``nn.MultiheadAttention``, which reads the weight
             directly) are never swapped.
+        check_finite: passed to every :meth:`Int8Linear.from_float`. Default False.
 
     Returns:
-        ``model`` itself, modified in place.
+        ``model`` itself, modified in place. The names of the swapped layers are logged
+        (``logging`` INFO, logger ``llmsys.kernels_int8.modules``).
+
+    Raises:
+        TypeError: ``model`` is not a module, ``include`` not one of the forms above.
+        ValueError: ``model`` is an ``nn.Linear``, or no layer would be swapped (``include``
+            matched no ``nn.Linear``, or the model has none): nothing is changed then.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_linears: `model` must be an nn.Module, got {type(model)}")
@@ -142,17 +176,29 @@ def quantize_linears(model: nn.Module, include: Include = None) -> nn.Module:
             "quantize_linears: `model` is itself an nn.Linear and cannot be swapped in place; "
             "use Int8Linear.from_float(model)"
         )
+    _check_flag("quantize_linears", "check_finite", check_finite)
     selected = _selector(include)
-    chosen = [
-        name
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and selected(name, module)
-    ]
-    for name in chosen:
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
+    chosen = [(name, module) for name, module in linears if selected(name, module)]
+    if not chosen:
+        found = f"{len(linears)} nn.Linear layer(s)" if linears else "no nn.Linear layer"
+        raise ValueError(
+            f"quantize_linears: `include` ({include!r}) must select at least one nn.Linear of "
+            f"`model` ({type(model).__name__}, which has {found}); nothing was swapped"
+        )
+    # Quantize every chosen layer before swapping any, so a refusal leaves the model unchanged.
+    swaps = [(name, Int8Linear.from_float(m, check_finite=check_finite)) for name, m in chosen]
+    for name, int8_linear in swaps:
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, Int8Linear.from_float(getattr(parent, child)))
+        setattr(model.get_submodule(parent_name), child, int8_linear)
+    names = [name for name, _ in swaps]
+    logger.info("quantize_linears: swapped %d nn.Linear for Int8Linear: %s", len(names), names)
     return model
+
+
+def _check_flag(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}: `{name}` must be a bool, got {type(value).__name__}")
 
 
 def _selector(include: Include) -> Callable[[str, nn.Linear], bool]:

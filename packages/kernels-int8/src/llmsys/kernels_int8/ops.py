@@ -90,6 +90,35 @@ def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
         checks.same_device(op, name, t, "a", a)
 
 
+def can_synchronize(t: torch.Tensor) -> bool:
+    """Whether a check may read a value of ``t`` back to the host: not while a CUDA graph is
+    being captured (the copy would break the capture) nor while torch.compile traces (the
+    value does not exist yet)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_finite_rows(op: str, name: str, x: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the first row of ``x`` (M, K) that holds a NaN or an Inf.
+
+    The opt-in refusal (``check_finite=True``); by default such a row quantizes to a NaN scale
+    instead. It synchronizes with the device, so it is skipped where it cannot
+    (:func:`can_synchronize`).
+    """
+    if x.numel() == 0 or not can_synchronize(x):
+        return
+    rows = x.reshape(-1, x.shape[-1])  # (M, K)
+    bad_rows = (~torch.isfinite(rows)).any(dim=1).nonzero()  # (bad, 1)
+    if len(bad_rows):
+        row = int(bad_rows[0, 0])
+        raise ValueError(
+            f"{op}: `{name}` must be finite (check_finite=True), got a NaN or Inf in row {row} "
+            f"of {len(bad_rows)} such row(s); with check_finite=False such a row gets a NaN "
+            "scale and NaN outputs"
+        )
+
+
 # --- launchers -----------------------------------------------------------------------------------
 
 

@@ -19,6 +19,10 @@ def quantize_int8_perrow_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     clamps to [-127, 127]. A row whose scale is 0 (all zeros, or a float16 scale that underflows)
     gives zeros, never NaN.
 
+    Non-finite inputs: a row holding a NaN or an Inf gets ``scale`` NaN and ``q`` all zeros, so
+    ``q * scale`` and every GEMM output of that row are NaN (as in float arithmetic, where the
+    row's products would be non-finite too). Finite rows are unaffected.
+
     Args:
         x: (M, K) float16, bfloat16 or float32.
 
@@ -30,9 +34,10 @@ def quantize_int8_perrow_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     amax = x32.abs().amax(dim=1) if x.shape[1] else x32.new_zeros(x.shape[0])
     # Divide by a tensor: eager CUDA turns `tensor / python_scalar` into a multiply by the
     # reciprocal, which can land one float32 ulp away from the IEEE quotient.
-    scale = (amax / torch.full_like(amax, QMAX)).to(x.dtype)  # (M,)
+    scale = amax / torch.full_like(amax, QMAX)  # (M,); amax is NaN or inf for a non-finite row
+    scale = torch.where(amax.isfinite(), scale, torch.nan).to(x.dtype)  # (M,)
     s32 = scale.float()[:, None]  # (M, 1)
-    nonzero = s32 > 0
+    nonzero = s32 > 0  # False for a NaN scale: the row's q is 0
     q = (x32 / torch.where(nonzero, s32, 1.0)).clamp(-QMAX, QMAX).round()  # (M, K)
     q = torch.where(nonzero, q, 0.0)
     return q.to(torch.int8).contiguous(), scale

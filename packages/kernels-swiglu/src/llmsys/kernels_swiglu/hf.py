@@ -14,11 +14,14 @@ the product, forward and backward. transformers is imported only when ``patch_ga
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 from torch import nn
 
 from .functional import swiglu
+
+logger = logging.getLogger(__name__)
 
 # transformers module -> the gated-MLP class in it that computes exactly the formula above
 GATED_MLPS = {
@@ -77,7 +80,8 @@ def patch_gated_mlps(model: nn.Module) -> nn.Module:
             ``"swish"``).
 
     Returns:
-        ``model`` itself.
+        ``model`` itself. The names of the patched MLPs are logged (``logging`` INFO, logger
+        ``llmsys.kernels_swiglu.hf``).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -103,6 +107,7 @@ def patch_gated_mlps(model: nn.Module) -> nn.Module:
             )
     if not found:
         if any(isinstance(m, SwiGLUGatedMLP) for m in model.modules()):
+            logger.info("patch_gated_mlps: every gated MLP is patched already; nothing changed")
             return model
         names = ", ".join(GATED_MLPS.values())
         raise ValueError(
@@ -113,4 +118,6 @@ def patch_gated_mlps(model: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         patched = SwiGLUGatedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         setattr(model.get_submodule(parent_name), child, patched)
+    names = [name for name, _ in found]
+    logger.info("patch_gated_mlps: patched %d gated MLP(s): %s", len(names), names)
     return model

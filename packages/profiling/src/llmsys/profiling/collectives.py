@@ -47,6 +47,21 @@ class Link:
     latency: float
     bandwidth: float
 
+    def __post_init__(self) -> None:
+        if not _finite_number(self.latency) or self.latency < 0:
+            raise ValueError(
+                f"Link({self.name}): `latency` must be a finite number >= 0, got {self.latency!r}"
+            )
+        if not _finite_number(self.bandwidth) or self.bandwidth <= 0:
+            raise ValueError(
+                f"Link({self.name}): `bandwidth` must be a finite number > 0, "
+                f"got {self.bandwidth!r}"
+            )
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
 
 def intra_node_link(hw: HardwareSpec) -> Link:
     """NVLink when the GPU has it, else the host link (PCIe through the CPU)."""

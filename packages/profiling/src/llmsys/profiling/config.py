@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 # d_model, d_ff, num_layers, num_heads of the named sizes (the assignment's table, and "tiny"
 # for smoke runs on a CPU).
@@ -28,8 +29,8 @@ class ModelConfig:
         context_length: the longest sequence (the RoPE tables' length). Default 1024.
         d_model, d_ff, num_layers, num_heads: widths and depth; ``num_heads`` divides
             ``d_model``. Defaults: the "small" size.
-        rope_theta: RoPE base. Default 10000.
-        norm_eps: RMSNorm epsilon. Default 1e-5.
+        rope_theta: RoPE base, a finite number > 0. Default 10000.
+        norm_eps: RMSNorm epsilon, a finite number > 0. Default 1e-5.
         attention: "naive" (eager matmuls and softmax, with profiler ranges for scores /
             softmax / weighted sum), "sdpa" (``F.scaled_dot_product_attention``) or "flash"
             (``llmsys.flash_attn2.flash_attention``). Default "sdpa".
@@ -39,6 +40,11 @@ class ModelConfig:
         num_experts, topk: the MoE variant's experts and experts per token. Defaults 8 and 2.
         checkpoint: recompute each block in the backward instead of keeping its activations
             (per-block activation checkpointing). Default False.
+
+    Raises:
+        ValueError: naming the field: a size that is not a positive int, a ``rope_theta`` or
+            ``norm_eps`` that is not finite and positive, an unknown ``attention`` or ``ffn``,
+            or a ``topk`` above ``num_experts`` for the MoE variant.
     """
 
     vocab_size: int = 10000
@@ -56,10 +62,20 @@ class ModelConfig:
     checkpoint: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads"):
+        sizes = ("vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads")
+        for name in (*sizes, "num_experts", "topk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig: `{name}` must be a positive int, got {value!r}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or not 0 < value < math.inf:  # NaN fails too
+                raise ValueError(
+                    f"ModelConfig: `{name}` must be a finite number > 0, got {value!r}"
+                )
+        if not isinstance(self.checkpoint, bool):
+            raise ValueError(f"ModelConfig: `checkpoint` must be a bool, got {self.checkpoint!r}")
         if self.d_model % self.num_heads:
             raise ValueError(
                 f"ModelConfig: `num_heads` ({self.num_heads}) must divide `d_model` "
@@ -67,8 +83,8 @@ class ModelConfig:
             )
         if (self.d_model // self.num_heads) % 2:
             raise ValueError(
-                "ModelConfig: the head dimension d_model // num_heads must be even for RoPE, "
-                f"got {self.d_model // self.num_heads}"
+                "ModelConfig: the head dimension `d_model` // `num_heads` must be even for "
+                f"RoPE, got {self.d_model} // {self.num_heads} = {self.d_model // self.num_heads}"
             )
         if self.attention not in ATTENTION:
             raise ValueError(

@@ -51,7 +51,7 @@ class HardwareSpec:
         min_kernel_time: the shortest a kernel takes however little it does (launch and
             scheduling), in seconds. Default 4 us.
         memory_capacity: device memory in bytes, or None.
-        sm_count: streaming multiprocessors, or None.
+        sm_count: streaming multiprocessors (a positive int), or None.
         l2_bytes: L2 cache in bytes, or None.
         l1_bytes_per_sm: combined L1 / shared memory per SM in bytes, or None.
         nvlink_bandwidth: NVLink bandwidth per GPU and direction in bytes/s; None without
@@ -102,6 +102,17 @@ class HardwareSpec:
             _check_number(f"HardwareSpec({self.name}): `{field}`", value, allow_zero=False)
         for field in times:
             _check_number(f"HardwareSpec({self.name}): `{field}`", getattr(self, field))
+        if self.sm_count is not None and not isinstance(self.sm_count, int):
+            raise ValueError(
+                f"HardwareSpec({self.name}): `sm_count` must be a positive int, "
+                f"got {self.sm_count!r}"
+            )
+        for field in ("host_link", "source"):
+            if not isinstance(getattr(self, field), str):
+                raise ValueError(
+                    f"HardwareSpec({self.name}): `{field}` must be a str, "
+                    f"got {getattr(self, field)!r}"
+                )
         if not isinstance(self.matmul_flops, Mapping) or not self.matmul_flops:
             raise ValueError(
                 f"HardwareSpec({self.name}): `matmul_flops` must map precisions to FLOP/s, "

@@ -102,6 +102,19 @@ class ModelShape:
     activations_sharded: int
     tp_all_reduces: int
 
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "name":
+                if not isinstance(value, str):
+                    raise ValueError(f"ModelShape: `name` must be a str, got {value!r}")
+                continue
+            minimum = 1 if field.name in ("num_layers", "d_model") else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(
+                    f"ModelShape: `{field.name}` must be an int >= {minimum}, got {value!r}"
+                )
+
     @property
     def num_params(self) -> int:
         return self.num_layers * self.params_per_layer + self.other_params

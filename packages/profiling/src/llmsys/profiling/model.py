@@ -150,19 +150,36 @@ class TransformerLM(nn.Module):
         config: a :class:`ModelConfig` (default: the "small" size with SDPA attention).
         device, dtype: for the parameters (default: PyTorch's defaults).
 
+        check_tokens: check in ``forward`` that every token id is in ``[0, vocab_size)``
+            (ValueError naming ``tokens`` otherwise). It reads two numbers back from the
+            device, so it is skipped inside CUDA-graph capture and torch.compile; turn it off
+            where that synchronization would cost (timed loops). Default True.
+
     Shapes: ``tokens`` (B, T) int64 with T <= ``config.context_length`` -> logits
     (B, T, vocab_size) in the dtype of the last matmul (float32, or bf16 under autocast).
     Weights start from a normal of std 0.02 (MoE experts keep their own init); norms at 1.
     """
 
-    def __init__(self, config: ModelConfig | None = None, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig | None = None,
+        *,
+        device=None,
+        dtype=None,
+        check_tokens: bool = True,
+    ) -> None:
         super().__init__()
         config = ModelConfig() if config is None else config
         if not isinstance(config, ModelConfig):
             raise TypeError(
                 f"TransformerLM: `config` must be a ModelConfig, got {type(config).__name__}"
             )
+        if not isinstance(check_tokens, bool):
+            raise TypeError(
+                f"TransformerLM: `check_tokens` must be a bool, got {type(check_tokens).__name__}"
+            )
         self.config = config
+        self.check_tokens = check_tokens
         factory = {"device": device, "dtype": dtype}
         self.embedding = nn.Embedding(config.vocab_size, config.d_model, **factory)
         self.blocks = nn.ModuleList(
@@ -185,11 +202,36 @@ class TransformerLM(nn.Module):
                 "TransformerLM: `tokens` must have shape (batch, seq) with seq <= "
                 f"context_length={self.config.context_length}, got {tuple(tokens.shape)}"
             )
+        if self.check_tokens and _can_synchronize(tokens):
+            _check_token_ids(tokens, self.config.vocab_size)
         x = self.embedding(tokens)  # (B, T, d_model)
         recompute = self.config.checkpoint and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return self.lm_head(self.final_norm(x))  # (B, T, vocab)
+
+
+def _can_synchronize(t: torch.Tensor) -> bool:
+    # Reading a value back is impossible while torch.compile traces (it does not exist yet) and
+    # would break a CUDA graph being captured.
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """ValueError naming ``tokens`` unless every id is in [0, vocab_size): an out-of-range id
+    is an IndexError on CPU and a device-side assert that poisons the process on CUDA."""
+    if tokens.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(tokens))
+    if low < 0 or high >= vocab_size:
+        bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()[0].tolist()
+        raise ValueError(
+            f"TransformerLM: `tokens` must hold ids in [0, vocab_size={vocab_size}), got ids "
+            f"from {low} to {high}; the first out of range is {int(tokens[tuple(bad)])} at "
+            f"position {tuple(bad)}"
+        )
 
 
 def num_parameters(model: nn.Module, *, embedding: bool = True) -> int:

@@ -44,6 +44,28 @@ class Variant:
     int8: bool = False
     preset: str = ""
 
+    def __post_init__(self) -> None:
+        choices = {
+            "attention": ATTENTION,
+            "ffn": FFN,
+            "compile_mode": COMPILE_MODES,
+            "dtype": DTYPES,
+            "optimizer": OPTIMIZERS,
+        }
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(
+                    f"Variant: `{name}` must be one of {tuple(allowed)}, got {value!r}"
+                )
+        for name in ("compile", "checkpoint", "int8"):
+            value = getattr(self, name)
+            # checkpoint None: not chosen yet (the memory sweep then runs both)
+            if not isinstance(value, bool) and not (name == "checkpoint" and value is None):
+                raise ValueError(f"Variant: `{name}` must be a bool, got {value!r}")
+        if not isinstance(self.preset, str):
+            raise ValueError(f"Variant: `preset` must be a str, got {self.preset!r}")
+
     @property
     def cuda_graphs(self) -> bool:
         """Whether torch.compile replays CUDA graphs (``reduce-overhead``)."""

@@ -30,12 +30,13 @@ from .hardware import GB, HARDWARE, TB, TFLOPS, US, HardwareSpec, lookup
 def _hardware_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("hardware")
     group.add_argument("--gpu", help=f"built-in spec, one of {list(HARDWARE)} (default H100)")
-    group.add_argument("--bandwidth-tbs", type=float, help="your own: memory bandwidth, TB/s")
-    group.add_argument("--tflops", type=float, help="your own: FLOP/s for every precision, TFLOP/s")
-    group.add_argument("--min-kernel-us", type=float, help="minimum kernel time, us")
-    group.add_argument("--nvlink-gbs", type=float, help="NVLink GB/s per direction")
-    group.add_argument("--network-gbs", type=float, help="network GB/s per GPU and direction")
-    group.add_argument("--latency-us", type=float, help="latency per collective step, us")
+    rate, time = _positive_float, _non_negative_float
+    group.add_argument("--bandwidth-tbs", type=rate, help="your own: memory bandwidth, TB/s")
+    group.add_argument("--tflops", type=rate, help="your own: FLOP/s for every precision, TFLOP/s")
+    group.add_argument("--min-kernel-us", type=time, help="minimum kernel time, us")
+    group.add_argument("--nvlink-gbs", type=rate, help="NVLink GB/s per direction")
+    group.add_argument("--network-gbs", type=rate, help="network GB/s per GPU and direction")
+    group.add_argument("--latency-us", type=time, help="latency per collective step, us")
 
 
 def _hardware(args: argparse.Namespace) -> HardwareSpec:
@@ -82,9 +83,11 @@ def _shape(args: argparse.Namespace) -> memory_model.ModelShape:
 def _shape_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--size", default="small", choices=list(SIZES), help="a ModelConfig size")
-    group.add_argument("--context", type=int, default=1024, help="context length (default 1024)")
     group.add_argument(
-        "--ffn", type=int, nargs=3, metavar=("D_MODEL", "D_FF", "LAYERS"),
+        "--context", type=_positive_int, default=1024, help="context length (default 1024)"
+    )
+    group.add_argument(
+        "--ffn", type=_positive_int, nargs=3, metavar=("D_MODEL", "D_FF", "LAYERS"),
         help="an FFN-only model instead of --size",
     )  # fmt: skip
     group.add_argument(
@@ -99,7 +102,7 @@ def _memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="fsdp", choices=memory_model.STRATEGIES)
     parser.add_argument(
         "--tokens-per-device",
-        type=int,
+        type=_non_negative_int,
         default=0,
         help="micro-batch tokens per device for activations (default 0: none)",
     )
@@ -243,6 +246,27 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative int, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 

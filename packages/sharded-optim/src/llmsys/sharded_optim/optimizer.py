@@ -170,17 +170,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         only the owned gradients would be about 1/sqrt(N) of it and clip too little.)
 
         Args:
-            max_norm: the largest allowed norm (a non-negative number).
-            norm_type: the p of the p-norm; ``float("inf")`` for the largest magnitude.
-                Default 2.
+            max_norm: the largest allowed norm (a non-negative number; ``inf`` never clips).
+            norm_type: the p of the p-norm, a positive number; ``float("inf")`` for the
+                largest magnitude. Default 2.
 
         Returns:
             The norm of all gradients before clipping (a 0-dim tensor).
+
+        Raises:
+            TypeError: ``max_norm`` or ``norm_type`` is not a number.
+            ValueError: ``max_norm`` is negative or NaN, ``norm_type`` not positive or NaN
+                (no gradient is touched then).
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+        where = f"{NAME}.clip_grad_norm_"
+        for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{where}: `{name}` must be a number, got {type(value).__name__}")
+        if not max_norm >= 0:  # NaN fails too: it would turn every gradient into NaN
+            raise ValueError(f"{where}: `max_norm` must be a non-negative number, got {max_norm!r}")
+        if not norm_type > 0:
             raise ValueError(
-                f"{NAME}.clip_grad_norm_: `max_norm` must be a non-negative number, "
-                f"got {max_norm!r}"
+                f"{where}: `norm_type` must be a positive number or inf, got {norm_type!r}"
             )
         grads = [p for p in self._all_params() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type)
@@ -338,10 +348,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 def _param_groups_of(params: Any) -> list[dict[str, Any]]:
     """``params`` as a non-empty list of group dicts (a list of tensors is one group)."""
-    if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+    if isinstance(params, (torch.Tensor, dict)) or not isinstance(params, Iterable):
         raise TypeError(
             f"{NAME}: `params` must be an iterable of tensors or of param-group dicts, got "
             f"{type(params).__name__}"
+        )
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(
+            f"{NAME}: `params` must be an ordered iterable (a list), got a "
+            f"{type(params).__name__}: ranks may iterate a set in different orders and then "
+            "disagree on which rank owns which parameter"
         )
     items = list(params)
     if not items:

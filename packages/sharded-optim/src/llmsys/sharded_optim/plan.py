@@ -45,11 +45,41 @@ class ShardPlan:
         n = self.world_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"ShardPlan: `world_size` must be a positive int, got {n!r}")
+        for name in ("owners", "loads"):
+            if not isinstance(getattr(self, name), tuple):
+                raise TypeError(
+                    f"ShardPlan: `{name}` must be a tuple of ints, got "
+                    f"{type(getattr(self, name)).__name__}"
+                )
+        for i, owner in enumerate(self.owners):
+            if not _is_int(owner) or not 0 <= owner < n:
+                raise ValueError(
+                    f"ShardPlan: `owners` must hold ranks in 0..{n - 1} (world_size={n}), got "
+                    f"{owner!r} at position {i}"
+                )
         if not self.loads:  # a new plan: nothing owned yet
             object.__setattr__(self, "loads", (0,) * n)
+        if len(self.loads) != n:
+            raise ValueError(
+                f"ShardPlan: `loads` must have one entry per rank ({n}), got {len(self.loads)}"
+            )
+        for rank, load in enumerate(self.loads):
+            if not _is_int(load) or load < 0:
+                raise ValueError(
+                    f"ShardPlan: `loads` must hold non-negative ints, got {load!r} for rank {rank}"
+                )
 
     def params_of(self, rank: int) -> list[int]:
-        """Global indices of the parameters ``rank`` owns, in increasing order."""
+        """Global indices of the parameters ``rank`` owns, in increasing order.
+
+        Raises:
+            ValueError: ``rank`` is not an int in 0..world_size-1.
+        """
+        if not _is_int(rank) or not 0 <= rank < self.world_size:
+            raise ValueError(
+                f"ShardPlan.params_of: `rank` must be an int in 0..{self.world_size - 1}, "
+                f"got {rank!r}"
+            )
         return [i for i, owner in enumerate(self.owners) if owner == rank]
 
     def extend(self, numels: Sequence[int]) -> ShardPlan:
@@ -80,9 +110,17 @@ def plan_shards(numels: Sequence[int], world_size: int) -> ShardPlan:
     return ShardPlan(world_size).extend(numels)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_numels(numels: Sequence[int]) -> None:
+    if not isinstance(numels, Sequence) or isinstance(numels, str):
+        raise TypeError(
+            f"ShardPlan: `numels` must be a sequence of ints, got {type(numels).__name__}"
+        )
     for i, n in enumerate(numels):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not _is_int(n) or n < 0:
             raise ValueError(
                 f"ShardPlan: `numels` must hold non-negative ints, got {n!r} at position {i}"
             )
