@@ -269,3 +269,16 @@ def test_gpu_check_finite_in_eager_and_skipped_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
     assert out.isnan().all(dim=1).tolist() == [r == 5 for r in range(8)]
+
+
+def test_the_public_functions_refuse_non_finite_rows_when_asked(device):
+    x = torch.randn(4, 24, device=device)
+    x[2, 5] = float("nan")
+    q_b, b_scale = quantize_int8(torch.randn(24, 8, device=device))
+    with pytest.raises(ValueError, match=r"`x` must be finite .* row 2"):
+        quantize_int8_perrow(x, check_finite=True)
+    with pytest.raises(ValueError, match=r"`fpa` must be finite .* row 2"):
+        matmul_quantize_int8(x, q_b, b_scale, check_finite=True)
+    with pytest.raises(ValueError, match=r"`weight` must be finite .* row 2"):
+        quantize_int8(x.t(), check_finite=True)  # (K, N) quantized per column: column 2
+    assert quantize_int8_perrow(x)[1][2].isnan()  # the default: a NaN scale, no error

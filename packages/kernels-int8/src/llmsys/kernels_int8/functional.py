@@ -50,7 +50,9 @@ torch.library.impl("llmsys::int8_matmul_out", "Autograd", _matmul_out_autograd)
 # the public functions check argument types first (checks.tensors).
 
 
-def quantize_int8_perrow(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_perrow(
+    x: torch.Tensor, *, check_finite: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row INT8 quantization (one Triton pass over ``x``).
 
     ``scale = max|row| / 127`` (float32, rounded to ``x.dtype``) and ``q = round(x / scale)``
@@ -60,6 +62,10 @@ def quantize_int8_perrow(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Args:
         x: (M, K) float16, bfloat16 or float32, any strides, on CUDA (Triton) or CPU (the eager
             reference, or the Triton kernel under ``TRITON_INTERPRET=1``).
+        check_finite: keyword-only, default False: a row holding a NaN or Inf quantizes to a
+            NaN scale and zeros (its GEMM outputs are NaN). True: such a row raises a
+            ``ValueError`` naming it (a device sync; skipped under ``torch.compile`` and
+            CUDA-graph capture).
 
     Returns:
         ``q`` (M, K) int8, contiguous, and ``scale`` (M,) in ``x.dtype``. Neither requires grad.
@@ -69,10 +75,14 @@ def quantize_int8_perrow(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ValueError: ``x`` is not 2-D.
     """
     checks.tensors("quantize_int8_perrow", x=x)
+    if check_finite:
+        ops.check_finite_rows("quantize_int8_perrow", "x", x)
     return call_below_autograd(ops.int8_quantize_perrow, x)
 
 
-def quantize_int8(weight: torch.Tensor, axis: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(
+    weight: torch.Tensor, axis: int = 0, *, check_finite: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight per column (``axis=0``, for the GEMM's B) or per row (``axis=1``).
 
     Args:
@@ -81,6 +91,8 @@ def quantize_int8(weight: torch.Tensor, axis: int = 0) -> tuple[torch.Tensor, to
             ``q`` (K, N) column-major, ``q.stride() == (1, K)``, the layout
             :func:`matmul_int8` reads fastest. 1 (or -1): per row, as
             :func:`quantize_int8_perrow`. Default 0.
+        check_finite: keyword-only, default False; as :func:`quantize_int8_perrow`, per
+            quantized row (a column of ``weight`` for ``axis=0``).
 
     Returns:
         ``(q, scale)`` as above, ``scale`` in ``weight.dtype``.
@@ -93,6 +105,8 @@ def quantize_int8(weight: torch.Tensor, axis: int = 0) -> tuple[torch.Tensor, to
         raise ValueError(f"quantize_int8: `weight` must be 2-D (K, N), got {tuple(weight.shape)}")
     if isinstance(axis, bool) or axis not in (0, 1, -1, -2):
         raise ValueError(f"quantize_int8: `axis` must be 0 or 1 (or -2, -1), got {axis!r}")
+    if check_finite:
+        ops.check_finite_rows("quantize_int8", "weight", weight if axis in (1, -1) else weight.t())
     if axis in (0, -2):
         q, scale = quantize_int8_perrow(weight.t())  # q (N, K) row-major
         return q.t(), scale  # (K, N) column-major
@@ -154,6 +168,8 @@ def matmul_quantize_int8(
     b: torch.Tensor,
     b_scale: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    check_finite: bool = False,
 ) -> torch.Tensor:
     """Quantize the rows of ``fpa`` per token, then :func:`matmul_int8`.
 
@@ -163,6 +179,7 @@ def matmul_quantize_int8(
         b: (K, N) int8, column-major fastest (from ``quantize_int8(w, axis=0)``).
         b_scale: (N,) float16, bfloat16 or float32.
         out: optional (..., N) float tensor to write into; it must be viewable as (M, N).
+        check_finite: keyword-only, default False; as :func:`quantize_int8_perrow`, per token.
 
     Returns:
         (..., N) in ``fpa.dtype`` (or ``out``).
@@ -178,7 +195,10 @@ def matmul_quantize_int8(
     if wants_grad(fpa):
         raise ops.inference_only_error("matmul_quantize_int8")
     k, lead = fpa.shape[-1], fpa.shape[:-1]
-    q, scale = quantize_int8_perrow(fpa.reshape(math.prod(lead), k))  # (M, K), (M,)
+    rows = fpa.reshape(math.prod(lead), k)  # (M, K)
+    if check_finite:
+        ops.check_finite_rows("matmul_quantize_int8", "fpa", rows)
+    q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
     if out is None:
         result = matmul_int8(q, scale, b, b_scale)  # (M, N)
         return result.reshape(*lead, result.shape[1])
