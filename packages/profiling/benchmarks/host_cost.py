@@ -1,4 +1,4 @@
-"""Host cost per call of the kernel packages' ops beside what a user calls instead (issue 12).
+"""Host cost per call of the kernel packages' ops beside what a user calls instead (issues 12, 25).
 
     python packages/profiling/benchmarks/host_cost.py [--out DIR]
 
@@ -32,13 +32,13 @@ import torch.nn.functional as F
 import triton
 
 from llmsys.flash_attn2 import flash_attention
-from llmsys.kernels_int8 import matmul_int8, matmul_quantize_int8, quantize_int8
+from llmsys.kernels_int8 import Int8Linear, matmul_int8, matmul_quantize_int8, quantize_int8
 from llmsys.kernels_int8 import quantize_int8_perrow as quantize_rows
 from llmsys.kernels_moe import moe_unpermute, padded_moe_permute
 from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.kernels import swiglu_fwd_kernel
-from llmsys.triton_launch import call_below_autograd, launch
+from llmsys.triton_launch import call_below_autograd, launch, native
 from llmsys_bench.harness import host_us_side_by_side
 
 _keep_alive: list = []
@@ -92,12 +92,21 @@ def _launch_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     block, warps = swiglu_ops.launch_config(a.numel())
     launch(
         swiglu_fwd_kernel,
-        triton.cdiv(a.numel(), block),
+        -(-a.numel() // block),
         (a, b, out, a.numel()),
         _constexprs(block),
         num_warps=warps,
     )
     return out
+
+
+def _launch_impl_without_c(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    get = native.get
+    native.get = lambda: None  # launch() then keys in Python and calls CompiledKernel.run
+    try:
+        return _launch_impl(a, b)
+    finally:
+        native.get = get
 
 
 def _jit_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -118,6 +127,9 @@ def alternatives() -> dict:
         ),
         "kernel[grid], no op": _jit_impl,
         "llmsys launch, no op": _launch_impl,
+        "llmsys launch, no op, Triton's launcher (the fallback without the C launcher)": (
+            _launch_impl_without_c
+        ),
     }
     lib = torch.library.Library("llmsys_alt", "FRAGMENT")
     _keep_alive.append(lib)  # a Library's ops are deregistered when it is collected
@@ -186,14 +198,17 @@ def rows() -> list[dict]:
         row("host", case, *host_us(ours, baseline), target, baseline_name=baseline_name)
 
     cuda = {"device": "cuda"}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = (torch.randn(128, 128, **cuda, dtype=dtype) for _ in range(2))
+        name = str(dtype).removeprefix("torch.")
+        ours_fn, by_name, eager = host_us(
+            lambda: swiglu(a, b),
+            lambda: torch.ops.llm_scaling_week.swiglu_fwd(a, b),
+            lambda: F.silu(a) * b,
+        )
+        row("host", f"swiglu(), 128x128 {name}", ours_fn, eager, 0.75, "F.silu(a) * b")
+        row("host", f"swiglu_fwd op by name, 128x128 {name}", by_name, eager, 1.0, "F.silu(a) * b")
     a, b = (torch.randn(128, 128, **cuda) for _ in range(2))
-    host_row(
-        "swiglu_fwd op, 128x128 fp32",
-        lambda: torch.ops.llm_scaling_week.swiglu_fwd(a, b),
-        "F.silu(a) * b",
-        lambda: F.silu(a) * b,
-        1.0,
-    )
     found = alternatives()
     eager_swiglu, *costs = host_us(
         lambda: F.silu(a) * b, *(partial(fn, a, b) for fn in found.values())
@@ -218,6 +233,19 @@ def rows() -> list[dict]:
     )
 
     with torch.inference_mode():
+        for n in (4096, 14336):
+            linear = torch.nn.Linear(4096, n, bias=False, **cuda, dtype=torch.float16)
+            int8_linear = Int8Linear.from_float(linear)
+            for m in (128, 4096):
+                x = torch.randn(m, 4096, **cuda, dtype=torch.float16)
+                host_row(
+                    f"Int8Linear forward, M = {m}, K 4096, N {n}",
+                    lambda x=x, layer=int8_linear: layer(x),
+                    "fp16 F.linear",
+                    lambda x=x, w=linear.weight: F.linear(x, w),
+                    1.5,
+                )
+            del linear, int8_linear
         x1 = torch.randn(1, 2048, device="cuda", dtype=torch.float16)
         row("host", "quantize_int8_perrow, M = 1, K 2048", *host_us(lambda: quantize_rows(x1)))
         w = torch.randn(22016, 2048, device="cuda", dtype=torch.float16) * 0.02  # (N, K)
@@ -240,65 +268,72 @@ def rows() -> list[dict]:
             )
         del w, qw
 
-    q, k, v, do = (
-        torch.randn(1, 16, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)
-    )
     sdpa = F.scaled_dot_product_attention
-    with torch.no_grad():
+    for heads, head_dim in ((16, 64), (32, 128)):
+        shape = (1, heads, 1024, head_dim)
+        q, k, v, do = (torch.randn(shape, **cuda, dtype=torch.bfloat16) for _ in range(4))
+        case = "x".join(map(str, shape)) + " bf16 causal"
+        with torch.no_grad():
+            host_row(
+                f"flash_attention forward, {case}",
+                lambda q=q, k=k, v=v: flash_attention(q, k, v, causal=True),
+                "SDPA",
+                lambda q=q, k=k, v=v: sdpa(q, k, v, is_causal=True),
+                1.0,
+            )
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
         host_row(
-            "flash_attention forward, 1x16x1024x64 bf16 causal",
-            lambda: flash_attention(q, k, v, causal=True),
-            "SDPA",
-            lambda: sdpa(q, k, v, is_causal=True),
-            1.5,
-        )
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    host_row(
-        "flash_attention forward+backward, 1x16x1024x64 bf16 causal",
-        lambda: torch.autograd.grad(flash_attention(q, k, v, causal=True), (q, k, v), do),
-        "SDPA",
-        lambda: torch.autograd.grad(sdpa(q, k, v, is_causal=True), (q, k, v), do),
-        1.5,
-    )
-
-    tokens, topk, experts, hidden, align = 64, 2, 8, 2048, 16
-    xm = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    top = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :topk]
-    counts = torch.bincount(top.flatten(), minlength=experts)
-    weights = torch.rand(tokens, topk, device="cuda", dtype=torch.bfloat16)
-    rows_bound = tokens * topk + experts * (align - 1)
-    perm, _, row_index = padded_moe_permute(
-        xm, top, counts, topk, experts, align=align, out_rows=rows_bound, return_row_index=True
-    )
-
-    def eager_permute():
-        order = top.flatten().argsort(stable=True)
-        return xm[order // topk], order
-
-    sorted_rows, order = eager_permute()
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device="cuda")
-
-    def eager_unpermute():
-        return (sorted_rows[inverse].view(tokens, topk, hidden) * weights[..., None]).sum(1)
-
-    with torch.no_grad():
-        host_row(
-            f"moe permute, {tokens} tokens top-{topk} of {experts}, out_rows given",
-            lambda: padded_moe_permute(
-                xm, top, counts, topk, experts, align=align, out_rows=rows_bound
+            f"flash_attention forward+backward, {case}",
+            lambda q=q, k=k, v=v, do=do: torch.autograd.grad(
+                flash_attention(q, k, v, causal=True), (q, k, v), do
             ),
-            "eager argsort permute",
-            eager_permute,
-            1.0,
+            "SDPA",
+            lambda q=q, k=k, v=v, do=do: torch.autograd.grad(
+                sdpa(q, k, v, is_causal=True), (q, k, v), do
+            ),
+            1.2,
         )
-        host_row(
-            f"moe unpermute, {tokens} tokens top-{topk}",
-            lambda: moe_unpermute(perm, row_index, weights),
-            "eager gather + weighted sum",
-            eager_unpermute,
-            1.0,
+        del q, k, v, do
+
+    topk, experts, hidden, align = 2, 8, 2048, 16
+    for tokens in (64, 4096):
+        xm = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        top = torch.rand(tokens, experts, device="cuda").argsort(dim=1)[:, :topk]
+        counts = torch.bincount(top.flatten(), minlength=experts)
+        weights = torch.rand(tokens, topk, device="cuda", dtype=torch.bfloat16)
+        rows_bound = tokens * topk + experts * (align - 1)
+        perm, _, row_index = padded_moe_permute(
+            xm, top, counts, topk, experts, align=align, out_rows=rows_bound, return_row_index=True
         )
+
+        def eager_permute():
+            order = top.flatten().argsort(stable=True)
+            return xm[order // topk], order
+
+        sorted_rows, order = eager_permute()
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device="cuda")
+
+        def eager_unpermute():
+            return (sorted_rows[inverse].view(tokens, topk, hidden) * weights[..., None]).sum(1)
+
+        with torch.no_grad():
+            host_row(
+                f"moe permute, {tokens} tokens top-{topk} of {experts}, out_rows given",
+                lambda: padded_moe_permute(
+                    xm, top, counts, topk, experts, align=align, out_rows=rows_bound
+                ),
+                "eager argsort permute",
+                eager_permute,
+                1.0,
+            )
+            host_row(
+                f"moe unpermute, {tokens} tokens top-{topk}",
+                lambda: moe_unpermute(perm, row_index, weights),
+                "eager gather + weighted sum",
+                eager_unpermute,
+                1.0,
+            )
 
     with torch.inference_mode():
         for k_dim, n in QWEN_GEMMS:
