@@ -1,5 +1,10 @@
 """SwiGLU sweep: sizes x dtypes x {eager, torch.compile, Liger, ours}; fwd, bwd, fwd+bwd, host.
 
+``ours`` is the op by name (``torch.ops.llm_scaling_week.swiglu_fwd``), ``swiglu()`` the public
+function, and ``previous`` the same kernels at the launch configuration before 0.3.0 (1024
+elements per program up to 2**18 elements, 4096 above), so a change of GPU time shows side by
+side.
+
 Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys_bench.harness``) and
 ``results/<gpu>.png``. Run ``python benchmarks/sweep.py --help``; the ``bench`` main job calls
 :func:`run`.
@@ -42,8 +47,26 @@ def ours(a, b):
     return torch.ops.llm_scaling_week.swiglu_fwd(a, b)
 
 
+def _previous_launch_config(n_elements: int) -> tuple[int, int]:
+    return (1024, 4) if n_elements <= 1 << 18 else (4096, 8)
+
+
+def with_previous_launch_config(step):
+    """``step`` with the kernels launched at the configuration before 0.3.0."""
+
+    def run_step():
+        current = ks.ops.launch_config
+        ks.ops.launch_config = _previous_launch_config
+        try:
+            return step()
+        finally:
+            ks.ops.launch_config = current
+
+    return run_step
+
+
 def providers(device: str) -> dict:
-    found = {"eager": eager, "ours": ours}
+    found = {"eager": eager, "ours": ours, "swiglu()": ks.swiglu, "previous": ks.swiglu}
     if device == "cuda":
         found["compile"] = torch.compile(eager, dynamic=False)
         try:
@@ -107,6 +130,8 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
                 def step(fn=fn):
                     fn(a, b).backward(g)
 
+            if name == "previous":
+                step = with_previous_launch_config(step)
             times = harness.time_ms(step, device=device, grad_to_none=[a, b])
             eager_p50 = times[1] if name == "eager" else eager_p50
             nbytes = bytes_moved(math.prod(shape), dtype, mode)
@@ -142,6 +167,7 @@ def host_rows(impls: dict, gpu: str, stamp: str, rounds: int = 5) -> list[harnes
     """
     a = torch.randn(HOST_SHAPE, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
+    impls = {name: fn for name, fn in impls.items() if name != "previous"}  # same host path
     samples = {name: [] for name in impls}
     for _ in range(rounds):
         for name, fn in impls.items():
