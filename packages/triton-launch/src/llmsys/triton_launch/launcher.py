@@ -64,11 +64,6 @@ def _python_key(head: tuple, args: tuple, constexprs: dict) -> tuple:
     return (*head, *[_key(a) for a in args], *constexprs.values())
 
 
-def _device(first) -> int:
-    """The CUDA device index of the first argument (a tensor or a descriptor); -1 on CPU."""
-    return (first if isinstance(first, torch.Tensor) else first.base).get_device()
-
-
 def _check_order(kernel, args: tuple, constexprs: dict) -> None:
     """The cached path passes constexprs by position: their order must be the signature's."""
     expected = list(kernel.arg_names[len(args) :])
@@ -94,8 +89,15 @@ def _checked_grid(grid) -> tuple[int, ...] | None:
     return None if 0 in sizes else tuple(sizes)
 
 
+_runtime_knobs = triton.knobs.runtime
+# torch.cuda.current_device without its lazy-init check (a compiled kernel means CUDA is
+# initialized), and the current stream as an int; None in a CPU-only build of torch.
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _launch_hooks_installed() -> bool:
-    hook = triton.knobs.runtime.launch_enter_hook  # a HookChain: never None, empty by default
+    hook = _runtime_knobs.launch_enter_hook  # a HookChain: never None, empty by default
     return bool(getattr(hook, "calls", hook))
 
 
@@ -134,19 +136,18 @@ def launch(
         grid_x, grid_y, grid_z = sizes + (1,) * (3 - len(sizes))
     if type(args) is not tuple:
         args = tuple(args)
-    device = _device(args[0])
+    first = args[0]
+    device = (first if isinstance(first, torch.Tensor) else first.base).get_device()
     if device < 0:  # CPU tensors: the interpreter (TRITON_INTERPRET=1)
         _check_order(kernel, args, constexprs)
         kernel[(grid_x, grid_y, grid_z)](*args, **constexprs)
         return
     head = (kernel, device, num_warps, num_stages, *options.items())
     module = native.get()
-    # torch._C._cuda_getDevice: torch.cuda.current_device without its lazy-init check (a
-    # compiled kernel means CUDA is initialized).
-    fast = device == torch._C._cuda_getDevice() and not _launch_hooks_installed()
+    fast = device == _current_device() and not _launch_hooks_installed()
     key = None
     if fast:
-        stream = torch._C._cuda_getCurrentRawStream(device)
+        stream = _current_stream(device)
         if module is not None:
             key = module.launch_cached(
                 _compiled, head, grid_x, grid_y, grid_z, stream, args, constexprs

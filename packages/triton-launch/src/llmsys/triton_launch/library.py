@@ -47,6 +47,17 @@ def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Cal
     return op
 
 
+# The thread-state tests of _direct_call_ok, bound once: an attribute chain per test per call was
+# a third of its cost.
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+_functorch_layers = torch._C._functorch.peek_interpreter_stack
+_tracing_state = torch._C._get_tracing_state
+_profiling = torch._C._autograd._profiler_enabled
+_Tensor, _strided = torch.Tensor, torch.strided
+
+
 def _direct_call_ok(args: tuple) -> bool:
     """True when the dispatcher, past autograd, would do nothing but call the op's impl: no
     tracing, mode, transform or thread-local profiler, every tensor argument a strided tensor of
@@ -57,17 +68,17 @@ def _direct_call_ok(args: tuple) -> bool:
     ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
     (a function mode) sends every call through the op."""
     if (
-        torch.compiler.is_compiling()  # first: dynamo folds it and skips the rest
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._functorch.peek_interpreter_stack() is not None
-        or torch._C._get_tracing_state() is not None
-        or torch._C._autograd._profiler_enabled()
+        _is_compiling()  # first: dynamo folds it and skips the rest
+        or _dispatch_modes()
+        or _function_mode()
+        or _functorch_layers() is not None
+        or _tracing_state() is not None
+        or _profiling()
     ):
         return False
     for arg in args:
-        if type(arg) is torch.Tensor:
-            if not ((arg.is_cuda or arg.is_cpu) and arg.layout is torch.strided):
+        if type(arg) is _Tensor:
+            if not ((arg.is_cuda or arg.is_cpu) and arg.layout is _strided):
                 return False
         elif type(arg) not in _PLAIN_TYPES:  # a subclass, a proxy, anything else: the op
             return False
