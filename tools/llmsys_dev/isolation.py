@@ -44,7 +44,10 @@ def check_isolation(dev_python: Path, package: Package) -> None:
     print(f"{package.name}: the README's install command, in {env_dir}:\n{command}", flush=True)
     subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=ROOT, env=env, check=True)
     listed = subprocess.run(
-        [python, "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"], check=True, capture_output=True, text=True
+        [python, "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     cuda = [line for line in listed.splitlines() if line.lower().startswith("nvidia-")]
     if cuda:

@@ -1,6 +1,6 @@
 """SwiGLU sweep: sizes x dtypes x {eager, torch.compile, Liger, ours}; fwd, bwd, fwd+bwd, host.
 
-Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys_bench.harness``) and
+Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys.bench_harness``) and
 ``results/<gpu>.png``. Run ``python benchmarks/sweep.py --help``; the ``bench`` main job calls
 :func:`run`.
 """
@@ -15,10 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-
+import llmsys.bench_harness as harness
 import llmsys.kernels_swiglu as ks
-from llmsys_bench import harness
 
 RESULTS = Path(__file__).parent / "results"
 GPU_SHAPES = [

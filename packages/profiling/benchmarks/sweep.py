@@ -14,13 +14,11 @@ Traces, snapshots and the memory timeline go to ``results/<gpu>-artifacts/`` (no
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-
-from llmsys.profiling import cli, results
-from llmsys_bench import harness
+import llmsys.bench_harness as harness
+from llmsys.bench_harness import results
+from llmsys.profiling import cli
 
 RESULTS = Path(__file__).parent / "results"
 

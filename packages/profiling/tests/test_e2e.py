@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from llmsys.profiling import cli, e2e, results, training
+from llmsys.bench_harness import results
+from llmsys.profiling import cli, e2e, training
 
 TINY_ARGS = ["--device", "cpu", "--size", "tiny", "--context-length", "16", "--batch-size", "2"]
 
@@ -116,7 +117,8 @@ def test_out_of_memory_is_recognised_however_it_is_phrased():
 
 
 def test_accounting_refuses_unknown_modes_and_precisions():
-    from llmsys.profiling import ModelConfig, accounting
+    from llmsys.profiling import ModelConfig
+    from llmsys.profiling.infra import accounting
 
     with pytest.raises(ValueError, match="`mode` must be one of"):
         accounting.step_flops(ModelConfig.named("tiny"), 1, 8, "train")
@@ -127,7 +129,7 @@ def test_accounting_refuses_unknown_modes_and_precisions():
 
 
 def test_peaks_tell_h100_variants_apart():
-    from llmsys.profiling.accounting import peak_flops
+    from llmsys.profiling.infra.accounting import peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16")[0] == pytest.approx(989.4e12)
     assert peak_flops("NVIDIA H100 PCIe", "bf16")[0] == pytest.approx(756e12)

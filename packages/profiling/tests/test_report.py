@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from llmsys.profiling import cli, results
+from llmsys.bench_harness import results
+from llmsys.profiling import cli
 
 SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep.py"
 

@@ -9,7 +9,7 @@
     llmsys-bench report results/ --out REPORT.md
 
 Every subcommand prints a Markdown table and writes ``<out>/<subcommand>.csv`` in the shared
-results schema (``llmsys.profiling.results``); ``--help`` on each lists its options.
+results schema (``llmsys.bench_harness.results``); ``--help`` on each lists its options.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import results
+from llmsys.bench_harness import results
 
 # subcommand -> module with HELP, add_arguments(parser) and run(args) -> list[results.Row]
 SUBCOMMANDS = {
@@ -31,7 +31,7 @@ SUBCOMMANDS = {
     "attention": "attention_sweep",
     "precision": "precision",
     "llama": "llama",
-    "report": "report",
+    "report": "infra.report",
 }
 
 

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import results
+from llmsys.bench_harness import results
+
 from .options import non_negative_int, positive_int
 from .progress import progress
 from .training import free_device_memory, lm_loss, make_optimizer, synchronize

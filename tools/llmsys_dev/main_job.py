@@ -18,14 +18,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import harness  # first: it puts the profiling package's source on sys.path
+from .workspace import select
 
-# isort: off
-from llmsys.profiling import roofline_check
-from llmsys.profiling.report import table_section
-
-# isort: on
+if TYPE_CHECKING:
+    import llmsys.bench_harness as harness
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +41,9 @@ def load_sweep(package_path: Path):
 def section_body(sweep, rows: list[harness.Row], csv_name: str) -> str:
     """The tables of one package's section, as its sweep chooses to show its rows, then the
     roofline's prediction against them (rows measured on a GPU the model knows)."""
+    from llmsys.bench_harness import table_section
+    from llmsys.profiling.infra import roofline_check
+
     if hasattr(sweep, "report_markdown"):
         body = sweep.report_markdown(rows)
     else:
@@ -62,6 +63,8 @@ def committed_gpu_sections(swept: list, out: Path) -> list[str]:
     """Sections for the committed GPU results (``results/<gpu>.csv``) of each (package, sweep)
     in ``swept``, marked as measured elsewhere: a CPU-only run's report shows them after its
     own rows."""
+    import llmsys.bench_harness as harness
+
     sections = []
     for package, sweep in swept:
         results_dir = package.path / "benchmarks" / "results"
@@ -90,12 +93,18 @@ def _takes_full(sweep) -> bool:
 
 
 def _committed(package, slug: str) -> list[dict]:
+    import llmsys.bench_harness as harness
+
     path = package.path / "benchmarks" / "results" / f"{slug}.csv"
     return harness.read_csv(path) if path.exists() else []
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The main job's command line (standard library only: ``--help`` needs no torch)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "reports", help="report folder")
     parser.add_argument("--package", action="append", help="only these packages (repeatable)")
     parser.add_argument("--quick", action="store_true", help="smallest cases only")
@@ -108,13 +117,18 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: compose the report from each package's committed "
         "benchmarks/results/<GPU>.csv and plot, linked (e.g. h100)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
     from tqdm import tqdm
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from llmsys_dev.workspace import select
+    import llmsys.bench_harness as harness
+
+    from . import device as _device  # noqa: F401  (the interpreter without a GPU, before Triton)
 
     device = "cuda" if torch.cuda.is_available() and not args.from_results else "cpu"
     if device == "cpu" and not args.from_results and os.environ.get("TRITON_INTERPRET") != "1":
