@@ -2,11 +2,11 @@
 
     llmsys-bench e2e --size medium --context-length 1024 --preset llmsys
     llmsys-bench memory --size small --context-length 128 256 512
-    llmsys-bench profile --size small --out results/
+    llmsys-bench profile --size small
     llmsys-bench attention
     llmsys-bench precision
     llmsys-bench llama --quick
-    llmsys-bench report results/ --out REPORT.md
+    llmsys-bench report llmsys-bench-results/ --out REPORT.md
 
 Every subcommand prints a Markdown table and writes ``<out>/<subcommand>.csv`` in the shared
 results schema (``llmsys.bench_harness.results``); ``--help`` on each lists its options.
@@ -40,12 +40,21 @@ def subcommand(name: str):
     return importlib.import_module(f"{__package__}.{SUBCOMMANDS[name]}")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written, and every option's default shown."""
+
+
+def _plain(text: str | None) -> str | None:
+    """A docstring for a terminal: ``code`` printed as `code`."""
+    return text.replace("``", "`") if text else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmsys-bench",
-        description=__doc__.splitlines()[0],
+        description=_plain(__doc__.splitlines()[0]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[2:]),
+        epilog=_plain("\n".join(__doc__.splitlines()[2:])),
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     for name in SUBCOMMANDS:
@@ -53,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(
             name,
             help=module.HELP,
-            description=module.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            description=_plain(module.__doc__),
+            formatter_class=_HelpFormatter,
         )
         if name != "report":
             sub.add_argument(
@@ -66,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "--out",
                 type=Path,
                 default=Path("llmsys-bench-results"),
-                help="folder for the CSV and any plots or traces (default: llmsys-bench-results)",
+                help="folder for the CSV and any plots or traces",
             )
         module.add_arguments(sub)
     return parser
