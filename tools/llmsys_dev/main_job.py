@@ -86,6 +86,21 @@ def committed_gpu_sections(swept: list, out: Path) -> list[str]:
     return sections
 
 
+def merge_into_committed(rows: list, path: Path) -> Path:
+    """Write ``rows`` into the package's committed ``results/<gpu>.csv``: a row of this run
+    replaces the committed row of the same (kernel, provider, mode, case, dtype); the others
+    stay (a default run leaves the ``--full`` rows as they were). ``python
+    tools/readme_tables.py`` then regenerates the READMEs from it."""
+    import llmsys.bench_harness as harness
+
+    def key(r):
+        return (r.kernel, r.provider, r.mode, r.x, r.dtype)
+
+    fresh = {key(r) for r in rows}
+    kept = [r for r in harness.read_rows(path) if key(r) not in fresh] if path.exists() else []
+    return harness.write_csv([*rows, *kept], path)
+
+
 def _takes_full(sweep) -> bool:
     import inspect
 
@@ -109,7 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--package", action="append", help="only these packages (repeatable)")
     parser.add_argument("--quick", action="store_true", help="smallest cases only")
     parser.add_argument(
-        "--full", action="store_true", help="the long sweeps too (sweeps whose run takes `full`)"
+        "--full",
+        action="store_true",
+        help="the long sweeps too: flash-attn2's whole grid and the "
+        "profiling package's warm-up, memory, profiles, attention sweep and Hugging Face Llama",
     )
     parser.add_argument(
         "--from-results",
@@ -137,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / slug
     out.mkdir(parents=True, exist_ok=True)
     packages = select(args.package)
-    sections, skipped, swept = [], [], []
+    sections, skipped, swept, timings = [], [], [], []
     started = time.perf_counter()
     with tqdm(total=len(packages), desc="packages", unit="pkg") as bar:
         for package in packages:
@@ -155,10 +173,20 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 rows = [harness.Row.from_dict(r) for r in harness.read_csv(committed)]
             else:
+                part_started = time.perf_counter()
                 with tqdm(desc=f"  {package.name}", unit="case", leave=False) as inner:
                     quick = args.quick or device == "cpu"
                     extra = {"full": True} if args.full and _takes_full(sweep) else {}
                     rows = sweep.run(device, quick=quick, progress=inner.update, **extra)
+                part = time.perf_counter() - part_started
+                timings.append((package.name, part))
+                tqdm.write(
+                    f"{package.name}: {part:.0f} s "
+                    f"(main job so far {time.perf_counter() - started:.0f} s)"
+                )
+                if device == "cuda" and rows:
+                    committed = package.path / "benchmarks" / "results" / f"{slug}.csv"
+                    tqdm.write(f"  updated {merge_into_committed(rows, committed)}")
             if args.from_results:  # link the committed files instead of copying them
                 csv_path, png = committed, committed.with_suffix(".png")
             else:
@@ -201,8 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     skipped_text = "\n## Skipped here\n\n" + "\n".join(f"- {s}" for s in skipped) + "\n"
     report = out / "REPORT.md"
-    report.write_text(header + "\n" + "\n".join(sections) + (skipped_text if skipped else ""))
+    timing_text = ""
+    if timings:
+        timing_text = "\n## Where the time went\n\n| part | seconds |\n|---|---:|\n" + "".join(
+            f"| {name} | {seconds:.0f} |\n" for name, seconds in timings
+        )
+    report.write_text(
+        header + "\n" + "\n".join(sections) + (skipped_text if skipped else "") + timing_text
+    )
     print(f"wrote {report}")
+    for name, seconds in timings:
+        print(f"  {name:16} {seconds:6.0f} s")
+    print(f"main job: {elapsed:.0f} s in all")
     return 0
 
 

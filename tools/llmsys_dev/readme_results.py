@@ -119,7 +119,9 @@ class Pick:
 
     def find(self, rows: list[dict], key: tuple) -> dict:
         names = ("kernel", "provider", "mode", "x", "dtype")
-        found = [r for r in rows if all(not v or r[n] == v for n, v in zip(names, key))]
+        found = [
+            r for r in rows if all(not v or r[n] == v for n, v in zip(names, key, strict=True))
+        ]
         if len(found) != 1:
             raise ValueError(f"{self.package}/{self.csv}: {len(found)} rows match {key}")
         return found[0]
@@ -298,7 +300,7 @@ def root_table(root: Path) -> str:
         "|---|---|---|---|",
     ]
     for package, picks in ROOT_PICKS.items():
-        texts, rows = zip(*(pick.render(root) for pick in picks))
+        texts, rows = zip(*(pick.render(root) for pick in picks), strict=True)
         gpus = ", ".join(sorted({r["gpu"].removeprefix("NVIDIA ") for r in rows}))
         days = ", ".join(sorted({r["timestamp"][:10] for r in rows}))
         table = next(t for t in TABLES.values() if t.package == package)

@@ -64,9 +64,11 @@ def test_other_errors_are_not_swallowed(monkeypatch, tmp_path):
         cli.main(["e2e", *TINY_ARGS, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
 
 
-def test_int8_is_refused_outside_inference(tmp_path):
-    with pytest.raises(ValueError, match="int8 linears are inference-only"):
+def test_int8_is_refused_outside_inference_as_an_argument_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # before any model is built, one line
         cli.main(["e2e", *TINY_ARGS, "--int8", "--steps", "1", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "int8 linears are inference-only; add --mode forward" in capsys.readouterr().err
 
 
 def test_every_subcommand_has_help(capsys):

@@ -90,7 +90,10 @@ def emit(rows: list[results.Row], out: Path, name: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "int8", False) and set(getattr(args, "mode", ["forward"])) != {"forward"}:
+        parser.error("--int8: int8 linears are inference-only; add --mode forward")
     module = subcommand(args.command)
     rows = module.run(args)
     if args.command != "report":
