@@ -2,17 +2,13 @@
 
 pytest imports this file before any test module, so on a machine without a GPU the Triton
 kernels are switched to the interpreter (CPU tensors) before any package imports Triton
-(``tools/llmsys_dev/device.py``; tests and benchmarks that size their cases at import read
+(``tools/llmsys_dev/device.py``, importable through pytest's ``pythonpath`` setting in the
+root pyproject.toml; tests and benchmarks that size their cases at import read
 ``ON_GPU`` and ``DEVICE`` from there too).
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent / "tools"))
 
 from llmsys_dev.device import DEVICE, ON_GPU
 from llmsys_dev.ranks import run_ranks as _run_ranks

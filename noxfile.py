@@ -8,7 +8,7 @@ Every session covers all packages by default, or a selection passed after `--`:
     nox -s tests -- --affected-since origin/main    # changed packages and their dependents
     nox -s tests -- --package kernels-swiglu -k grad  # anything else goes to pytest
 
-Packages are discovered from packages/* (skipping packages/_template); their sibling
+Packages are discovered from packages/* (skipping packages/.template); their sibling
 dependencies are read from each pyproject.toml. Tests run in one shared environment
 (.nox/dev) over every package's source, so torch is installed once per machine.
 """

@@ -19,11 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-
-from llmsys_dev.envs import source_env  # noqa: E402
-from llmsys_dev.workspace import ROOT, select  # noqa: E402
+from llmsys_dev.envs import source_env
+from llmsys_dev.workspace import ROOT, select
 
 
 def step(cmd: list[str], **kwargs) -> bool:
@@ -64,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu: no CUDA device here; nothing to run (use `nox -s tests` on CPU)")
         return 0
-    sys.path[:0] = [str(TOOLS)]
-    from llmsys_bench.harness import device_slug
-
-    slug = device_slug()
+    probe = "from llmsys.bench_harness import device_slug; print(device_slug())"
+    slug = subprocess.run(
+        [sys.executable, "-c", probe], env=source_env(), check=True, capture_output=True, text=True
+    ).stdout.strip()
     args.out.mkdir(parents=True, exist_ok=True)
     failures = []
     for package in select(args.package, args.affected_since):

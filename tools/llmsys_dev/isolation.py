@@ -1,48 +1,60 @@
-"""Prove a package stands alone: its wheel, installed into a fresh venv that has only torch and
-triton, imports and runs its smallest example. Sibling packages it declares are installed from
-their own wheels; anything else it forgot to declare makes the install or the example fail."""
+"""Prove a package installs the way its README says and stands alone.
+
+The README's install command (between ``<!-- install-command -->`` markers) runs as written, from
+the repository root, in a fresh venv that sees only the CPU torch and triton of torch-base: so
+the command's CPU torch line finds torch already there, and every other requirement (siblings
+from the checkout, numpy, ...) must come from what the command names or what the packages
+declare. Then the package's smallest example runs from a folder away from the source tree under
+``TRITON_INTERPRET=1`` (the CPU path every kernel README documents), and the environment must
+hold no CUDA wheel (``nvidia-*``).
+"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 from pathlib import Path
 
-from .envs import ENVS, _pip, _run, make_venv
-from .workspace import Package, discover, with_dependencies
+from .envs import ENVS, _run, make_venv
+from .workspace import ROOT, Package
 
-WHEELS = ENVS / "wheels"
-_built: dict[tuple[str, Path], Path] = {}  # wheels this process built: one nox run builds each once
+START, END = "<!-- install-command -->", "<!-- /install-command -->"
 
 
-def build_wheel(python: Path, package: Package, outdir: Path = WHEELS) -> Path:
-    """Build ``package``'s wheel with ``python`` (which must have ``build`` and hatchling), or
-    return the one this process built already (sessions of one run share their siblings')."""
-    key = (package.name, outdir)
-    if key in _built and _built[key].exists():
-        return _built[key]
-    outdir.mkdir(parents=True, exist_ok=True)
-    for old in outdir.glob(f"{package.dist.replace('-', '_')}-*.whl"):
-        old.unlink()
-    _run([python, "-m", "build", "--wheel", "--no-isolation", "--outdir", outdir, package.path])
-    (wheel,) = outdir.glob(f"{package.dist.replace('-', '_')}-*.whl")
-    _built[key] = wheel
-    return wheel
+def install_command(package: Package) -> str:
+    """The shell lines between the README's install-command markers (fences dropped)."""
+    text = (package.path / "README.md").read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{package.name}: README.md has no {START} ... {END} block")
+    block = text.split(START, 1)[1].split(END, 1)[0]
+    lines = [line for line in block.strip().splitlines() if not line.startswith("```")]
+    return "\n".join(lines)
 
 
 def check_isolation(dev_python: Path, package: Package) -> None:
-    packages = discover()
-    for name in sorted(with_dependencies(packages, {package.name})):
-        build_wheel(dev_python, packages[name])
-    python = make_venv(ENVS / "isolation" / package.name, with_pip=False)
-    pip = [*_pip(dev_python), "--python", python]  # the dev env's pip, run by the venv's python
-    _run([*pip, "install", "--no-index", "--find-links", WHEELS, package.dist])
+    """Run ``package``'s README install command in a fresh venv, then its example."""
+    del dev_python  # the venv has its own pip: the command is run as a user would paste it
+    env_dir = ENVS / "isolation" / package.name
+    python = make_venv(env_dir, with_pip=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PIP_REQUIRE_VIRTUALENV")}
+    env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(env_dir)
+    command = install_command(package)
+    print(f"{package.name}: the README's install command, in {env_dir}:\n{command}", flush=True)
+    subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=ROOT, env=env, check=True)
+    listed = subprocess.run(
+        [python, "-m", "pip", "list", "--format=freeze", "--disable-pip-version-check"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    cuda = [line for line in listed.splitlines() if line.lower().startswith("nvidia-")]
+    if cuda:
+        raise SystemExit(f"{package.name}: the install command pulled CUDA wheels: {cuda}")
     if not package.example:
         raise SystemExit(f"{package.name}: pyproject.toml has no [tool.llmsys] example to run")
     example = package.path / package.example
     with tempfile.TemporaryDirectory() as cwd:  # away from the source tree
-        _run([python, "-I", example], cwd=cwd)
-    listed = subprocess.run(
-        [*pip, "list", "--format=freeze"], check=True, capture_output=True, text=True
-    ).stdout
-    print(f"{package.name}: isolated install OK; environment:\n{listed}")
+        _run([python, "-I", example], cwd=cwd, env={**env, "TRITON_INTERPRET": "1"})
+    print(f"{package.name}: README install + example OK; environment:\n{listed}")

@@ -56,10 +56,14 @@ def read_package(path: Path) -> Package:
 
 
 def discover(root: Path = ROOT) -> dict[str, Package]:
-    """All packages, by name; directories starting with '_' (the template) are skipped."""
+    """All packages, by name; folders starting with '.' or '_' (packages/.template) are skipped."""
     found = {}
     for path in sorted((root / "packages").iterdir()):
-        if path.is_dir() and not path.name.startswith("_") and (path / "pyproject.toml").exists():
+        if (
+            path.is_dir()
+            and not path.name.startswith((".", "_"))
+            and (path / "pyproject.toml").exists()
+        ):
             found[path.name] = read_package(path)
     for package in found.values():
         missing = set(package.deps) - set(found)

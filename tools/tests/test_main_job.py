@@ -69,7 +69,7 @@ def test_the_check_sees_an_unguarded_call(tmp_path):
 
 
 def test_report_from_committed_results_links_them_instead_of_copying(tmp_path):
-    from llmsys_bench.report import main
+    from llmsys_dev.main_job import main
 
     assert main(["--from-results", "h100", "--out", str(tmp_path), "--package", "kernels-moe"]) == 0
     report = tmp_path / "h100" / "REPORT.md"

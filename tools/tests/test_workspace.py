@@ -21,13 +21,13 @@ def root(tmp_path: Path) -> Path:
     make_package(tmp_path, "kernels-swiglu")
     make_package(tmp_path, "ddp")
     make_package(tmp_path, "profiling", ["kernels-swiglu", "ddp"])
-    make_package(tmp_path, "_template")
+    make_package(tmp_path, ".template")
     return tmp_path
 
 
 def test_discover_reads_names_and_sibling_dependencies(root):
     packages = workspace.discover(root)
-    assert sorted(packages) == ["ddp", "kernels-swiglu", "profiling"]  # _template skipped
+    assert sorted(packages) == ["ddp", "kernels-swiglu", "profiling"]  # .template skipped
     assert packages["profiling"].deps == ("ddp", "kernels-swiglu")
     assert packages["kernels-swiglu"].deps == ()
     assert packages["kernels-swiglu"].dist == "llmsys-kernels-swiglu"
@@ -60,7 +60,7 @@ def test_cycle_is_reported(root):
         (["packages/profiling/README.md"], {"profiling"}),
         (["packages/ddp/tests/test_x.py", "README.md"], {"ddp", "profiling"}),
         (["noxfile.py"], {"ddp", "kernels-swiglu", "profiling"}),
-        (["packages/_template/pyproject.toml"], set()),
+        (["packages/.template/pyproject.toml"], set()),
         ([], set()),
     ],
 )

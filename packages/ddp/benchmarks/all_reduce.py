@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from llmsys.bench_harness import results
 from llmsys.ddp import init_distributed, local_device
-from llmsys.profiling import results, roofline_check
+from llmsys.profiling.infra import roofline_check
 
 MB = 10**6  # sizes are decimal megabytes, as nccl-tests and the issue state them
 

@@ -16,7 +16,7 @@ one after another:
   (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
 
 Both FSDPs reduce gradients in float32, so "bf16" compares equal settings. Each row carries the
-accounting model's predicted peak (``llmsys.profiling.memory_model``) beside the measured one.
+accounting model's predicted peak (``llmsys.profiling.infra.memory_model``) beside the measured one.
 ``--largest`` trains a model whose replicated AdamW state does not fit one GPU with FSDP bf16 and
 activation checkpointing for a few steps on one fixed batch and prints the loss falling.
 """
@@ -27,21 +27,27 @@ import argparse
 import dataclasses
 import functools
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from strategies import nccl_kernel_ms, release, run_fields, slowest, timed_steps
-
+import llmsys.bench_harness as harness
+from llmsys.bench_harness import results
 from llmsys.ddp import FSDP, DDPBucketed, init_distributed, local_device
-from llmsys.profiling import accounting, memory_model, results, training
+from llmsys.profiling import training
 from llmsys.profiling.config import ModelConfig
+from llmsys.profiling.infra import accounting, memory_model
 from llmsys.profiling.model import TransformerBlock, TransformerLM
+
+_strategies = harness.load_beside(__file__, "strategies")
+nccl_kernel_ms, release, run_fields = (
+    _strategies.nccl_kernel_ms,
+    _strategies.release,
+    _strategies.run_fields,
+)
+slowest, timed_steps = _strategies.slowest, _strategies.timed_steps
 
 LARGEST = {  # name: (d_model, d_ff, layers, heads) of models too large to train replicated
     "10B": (4096, 16384, 36, 32),

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from llmsys.bench_harness import results
 from llmsys.ddp import (
     DDPBucketed,
     DDPFlat,
@@ -40,8 +41,9 @@ from llmsys.ddp import (
     init_distributed,
     local_device,
 )
-from llmsys.profiling import accounting, results, training
+from llmsys.profiling import training
 from llmsys.profiling.config import ModelConfig
+from llmsys.profiling.infra import accounting
 from llmsys.profiling.model import TransformerLM
 
 

@@ -11,16 +11,13 @@ rows run. On a CPU-only machine: gloo with 2 processes and the strategies on the
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-
 import torch
 
-from llmsys.profiling import results
-from llmsys_bench import harness
+import llmsys.bench_harness as harness
+from llmsys.bench_harness import results
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"

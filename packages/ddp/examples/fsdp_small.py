@@ -14,16 +14,26 @@ import torch
 import torch.distributed as dist
 
 from llmsys.ddp import FSDP, init_distributed, local_device
-from llmsys.profiling import training
-from llmsys.profiling.config import ModelConfig
-from llmsys.profiling.model import TransformerLM, num_parameters
+
+try:
+    from llmsys.profiling import training
+    from llmsys.profiling.config import ModelConfig
+    from llmsys.profiling.model import TransformerLM, num_parameters
+except ModuleNotFoundError as error:  # the model comes from another package: say which
+    raise SystemExit(
+        f"fsdp_small.py needs llmsys-profiling ({error}); install llmsys-ddp with its [examples] "
+        "extra, as its README's Install section shows"
+    ) from None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", help="a profiling model size (default small)")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--context-length", type=int, default=64)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0].rstrip(":") + ".",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--size", default="small", help="a profiling model size")
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--context-length", type=int, default=64, help="tokens per sequence")
     args = parser.parse_args()
     rank, world_size = init_distributed()  # NCCL with a GPU per rank, else gloo on the CPU
     device = local_device()

@@ -46,7 +46,7 @@ def test_fsdp_example_trains_the_tiny_model_on_two_cpu_ranks():
 
 
 def test_fsdp_benchmark_runs_every_strategy_on_two_cpu_ranks(tmp_path):
-    from llmsys.profiling import results
+    from llmsys.bench_harness import results
 
     out = tmp_path / "rows.csv"
     run(

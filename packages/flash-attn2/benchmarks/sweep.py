@@ -5,7 +5,7 @@ Causal attention (the CS336 assignment's sweep): batch 1, one head, seq 128 to 6
 assignment's leaderboard case) and 4x16x4096x128. The default GPU run is a subset that takes about
 two minutes and always includes the multi-head cases. An out-of-memory is a row with config "OOM".
 
-Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys_bench.harness``; throughput in TFLOP/s,
+Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys.bench_harness``; throughput in TFLOP/s,
 counting causal forward as ``2 * B * H * N^2 * d`` and backward as 2.5x that) and
 ``results/<gpu>.png``. Run ``python benchmarks/sweep.py --help``; the ``bench`` main job calls
 :func:`run`.
@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-
+import llmsys.bench_harness as harness
 import llmsys.flash_attn2 as fa
 from llmsys.flash_attn2 import ops
-from llmsys_bench import harness
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("fwd", "bwd", "fwd_bwd")

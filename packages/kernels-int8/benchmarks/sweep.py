@@ -3,7 +3,7 @@
 Providers: cuBLAS fp16 and bf16 (``torch.matmul``), ``torch._int_mm`` alone and with an eager
 rescale to fp16, ours (``matmul_int8`` on pre-quantized activations) and ours end to end
 (``matmul_quantize_int8`` from fp16 activations). Writes ``results/<gpu>.csv`` (the shared
-schema of ``llmsys_bench.harness``) and ``results/<gpu>.png``. Run
+schema of ``llmsys.bench_harness``) and ``results/<gpu>.png``. Run
 ``python benchmarks/sweep.py --help``; the ``bench`` main job calls :func:`run`.
 
 Times are GPU time per call (:func:`gpu_time_ms`: CUDA events around each call, L2 flushed by a
@@ -22,11 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-
+import llmsys.bench_harness as harness
 import llmsys.kernels_int8 as ki
 from llmsys.kernels_int8 import reference, warmup
-from llmsys_bench import harness
 
 RESULTS = Path(__file__).parent / "results"
 QWEN_SHAPES = [(2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048)]  # (K, N) of one layer

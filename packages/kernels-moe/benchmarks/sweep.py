@@ -1,6 +1,6 @@
 """MoE permute/unpermute sweep: the issue's cases x {eager, torch.compile, ours}; fwd, bwd, host.
 
-Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys_bench.harness``) and
+Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys.bench_harness``) and
 ``results/<gpu>.png``. Run ``python benchmarks/sweep.py --help``; the ``bench`` main job calls
 :func:`run`.
 
@@ -14,15 +14,12 @@ for the bytes it really moves (``min_bytes_frac``).
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-
+import llmsys.bench_harness as harness
 import llmsys.kernels_moe as km
-from llmsys_bench import harness
 
 RESULTS = Path(__file__).parent / "results"
 ALIGN = 128

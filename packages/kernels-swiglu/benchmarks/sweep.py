@@ -5,7 +5,7 @@ function, and ``previous`` the same kernels at the launch configuration before 0
 elements per program up to 2**18 elements, 4096 above), so a change of GPU time shows side by
 side.
 
-Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys_bench.harness``) and
+Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys.bench_harness``) and
 ``results/<gpu>.png``. Run ``python benchmarks/sweep.py --help``; the ``bench`` main job calls
 :func:`run`.
 """
@@ -20,10 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-
+import llmsys.bench_harness as harness
 import llmsys.kernels_swiglu as ks
-from llmsys_bench import harness
 
 RESULTS = Path(__file__).parent / "results"
 GPU_SHAPES = [

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from llmsys.bench_harness.harness import host_us_side_by_side
 from llmsys.flash_attn2 import flash_attention
 from llmsys.kernels_int8 import Int8Linear, matmul_int8, matmul_quantize_int8, quantize_int8
 from llmsys.kernels_int8 import quantize_int8_perrow as quantize_rows
@@ -39,7 +40,6 @@ from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.kernels import swiglu_fwd_kernel
 from llmsys.triton_launch import call_below_autograd, launch, native
-from llmsys_bench.harness import host_us_side_by_side
 
 _keep_alive: list = []
 QWEN_GEMMS = ((2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048))  # (K, N)

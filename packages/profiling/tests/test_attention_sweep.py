@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from llmsys.profiling import attention_sweep, cli, results
+from llmsys.bench_harness import results
+from llmsys.profiling import attention_sweep, cli
 from llmsys.profiling.attention import naive_attention
 
 # One tiny shape shared by the tests, so torch.compile compiles it once per test session.

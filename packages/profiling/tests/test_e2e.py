@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from llmsys.profiling import cli, e2e, results, training
+from llmsys.bench_harness import results
+from llmsys.profiling import cli, e2e, training
 
 TINY_ARGS = ["--device", "cpu", "--size", "tiny", "--context-length", "16", "--batch-size", "2"]
 
@@ -63,9 +64,11 @@ def test_other_errors_are_not_swallowed(monkeypatch, tmp_path):
         cli.main(["e2e", *TINY_ARGS, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
 
 
-def test_int8_is_refused_outside_inference(tmp_path):
-    with pytest.raises(ValueError, match="int8 linears are inference-only"):
+def test_int8_is_refused_outside_inference_as_an_argument_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # before any model is built, one line
         cli.main(["e2e", *TINY_ARGS, "--int8", "--steps", "1", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "int8 linears are inference-only; add --mode forward" in capsys.readouterr().err
 
 
 def test_every_subcommand_has_help(capsys):
@@ -116,7 +119,8 @@ def test_out_of_memory_is_recognised_however_it_is_phrased():
 
 
 def test_accounting_refuses_unknown_modes_and_precisions():
-    from llmsys.profiling import ModelConfig, accounting
+    from llmsys.profiling import ModelConfig
+    from llmsys.profiling.infra import accounting
 
     with pytest.raises(ValueError, match="`mode` must be one of"):
         accounting.step_flops(ModelConfig.named("tiny"), 1, 8, "train")
@@ -127,7 +131,7 @@ def test_accounting_refuses_unknown_modes_and_precisions():
 
 
 def test_peaks_tell_h100_variants_apart():
-    from llmsys.profiling.accounting import peak_flops
+    from llmsys.profiling.infra.accounting import peak_flops
 
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16")[0] == pytest.approx(989.4e12)
     assert peak_flops("NVIDIA H100 PCIe", "bf16")[0] == pytest.approx(756e12)

@@ -8,7 +8,8 @@ import pytest
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Kernel
 
-from llmsys.profiling import cli, kernel_profile, results
+from llmsys.bench_harness import results
+from llmsys.profiling import cli, kernel_profile
 
 TINY = ["--device", "cpu", "--size", "tiny", "--context-length", "16", "--batch-size", "2"]
 FAST = ["--dtype", "fp32", "--ffn", "eager", "--steps", "2", "--warmup", "1"]

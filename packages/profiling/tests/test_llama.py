@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from llmsys.profiling import cli, llama, results
+from llmsys.bench_harness import results
+from llmsys.profiling import cli, llama
 
 pytest.importorskip(
     "transformers", reason="transformers is an optional extra: llmsys-profiling[transformers]"

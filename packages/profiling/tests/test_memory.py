@@ -6,7 +6,8 @@ import pickle
 import pytest
 import torch
 
-from llmsys.profiling import cli, e2e, memory, results
+from llmsys.bench_harness import results
+from llmsys.profiling import cli, e2e, memory
 from llmsys.profiling.options import Variant
 
 TINY = ["--device", "cpu", "--size", "tiny", "--attention", "sdpa", "--ffn", "eager"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmsys.profiling import SIZES, ModelConfig, TransformerLM, num_parameters
-from llmsys.profiling.accounting import forward_flops
+from llmsys.profiling.infra.accounting import forward_flops
 from llmsys.profiling.optimizer import AdamW
 from llmsys.profiling.reference import transformer_lm_reference
 from llmsys.profiling.training import autocast, lm_loss, random_batch

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from llmsys.profiling import cli, precision, results
+from llmsys.bench_harness import results
+from llmsys.profiling import cli, precision
 
 # What PyTorch's CPU autocast does to ToyModel (observed with torch 2.13). Unlike CUDA autocast,
 # CPU autocast has no float32 policy for layer_norm: it runs in its input's precision.

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from llmsys.profiling import cli, results
+from llmsys.bench_harness import results
+from llmsys.profiling import cli
 
 SWEEP = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep.py"
 
@@ -47,18 +48,21 @@ def test_report_refuses_what_is_not_a_csv(tmp_path):
 def test_sweep_commands_parse_and_cover_every_subcommand():
     sweep = load_sweep()
     parser = cli.build_parser()
-    for device, quick, full in [
-        ("cpu", True, False),
-        ("cuda", False, False),
-        ("cuda", False, True),
+    every = set(cli.SUBCOMMANDS) - {"report"}
+    for device, quick, full, covered in [
+        ("cpu", True, False, every),  # CI: each subcommand once, tiny
+        ("cuda", False, False, {"e2e", "precision"}),  # the main job's default: the target case
+        ("cuda", False, True, every),  # --full
     ]:
         commands = sweep.commands(device, quick, full)
         for argv in commands:
             parser.parse_args([*argv, "--device", "cpu"])  # every line is a valid command
-        assert {argv[0] for argv in commands} == set(cli.SUBCOMMANDS) - {"report"}
-    gpu = sweep.commands("cuda", False, False)
-    assert gpu[0][:2] == ["e2e", "--size"] and "--warmup" in gpu[0]  # warm-up while cold
-    assert gpu[1][:3] == ["e2e", "--size", "medium"] and "llmsys" in gpu[1]  # the target
+        assert {argv[0] for argv in commands} == covered
+    default = sweep.commands("cuda", False, False)
+    assert default[0][:3] == ["e2e", "--size", "medium"] and "llmsys" in default[0]  # the target
+    full = sweep.commands("cuda", False, True)
+    assert full[0][:2] == ["e2e", "--size"] and "--warmup" in full[0]  # warm-up while cold
+    assert full[1] == default[0]
 
 
 def test_sweep_report_has_a_table_per_benchmark_and_a_plot(tmp_path):

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from llmsys.profiling import accounting, hardware, roofline
-from llmsys.profiling.hardware import HardwareSpec
+from llmsys.profiling.infra import accounting, hardware, roofline
+from llmsys.profiling.infra.hardware import HardwareSpec
 
 # The worked examples' GPU: HBM 2.4 TB/s, 800 TFLOP/s, 10 us minimum per kernel.
 TOY = HardwareSpec.custom("toy", memory_bandwidth=2.4e12, flops=800e12, min_kernel_time=10e-6)

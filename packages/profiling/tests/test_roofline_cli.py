@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from llmsys.profiling import hardware, results, roofline_check
+from llmsys.bench_harness import results
+from llmsys.profiling.infra import hardware, roofline_check
 from llmsys.profiling.roofline_cli import main
 
 PACKAGES = Path(__file__).resolve().parents[2]

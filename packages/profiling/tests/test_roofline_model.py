@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from llmsys.profiling import collectives, hardware, memory_model
-from llmsys.profiling.collectives import Link
 from llmsys.profiling.config import ModelConfig
-from llmsys.profiling.memory_model import FP32_ADAMW, MIXED_ADAMW
+from llmsys.profiling.infra import collectives, hardware, memory_model
+from llmsys.profiling.infra.collectives import Link
+from llmsys.profiling.infra.memory_model import FP32_ADAMW, MIXED_ADAMW
 
 LINK = Link("test", latency=1e-6, bandwidth=100e9)
 S = 1e9

@@ -43,7 +43,6 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -52,15 +51,11 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-for _src in sorted((Path(__file__).resolve().parents[3] / "packages").glob("*/src")):
-    if str(_src) not in sys.path:  # run from a checkout without installing the packages
-        sys.path.append(str(_src))
-
-from llmsys.profiling import results  # noqa: E402
-from llmsys.profiling.config import SIZES, ModelConfig  # noqa: E402
-from llmsys.profiling.model import TransformerLM  # noqa: E402
-from llmsys.profiling.training import autocast, lm_loss, random_batch  # noqa: E402
-from llmsys.sharded_optim import ShardedOptimizer, plan_shards  # noqa: E402
+from llmsys.bench_harness import results
+from llmsys.profiling.config import SIZES, ModelConfig
+from llmsys.profiling.model import TransformerLM
+from llmsys.profiling.training import autocast, lm_loss, random_batch
+from llmsys.sharded_optim import ShardedOptimizer, plan_shards
 
 VARIANTS = ("adamw", "sharded", "zero-redundancy")  # the last is the baseline for time
 PHASES = ("model", "fwd-bwd", "step")

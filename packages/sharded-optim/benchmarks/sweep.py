@@ -9,18 +9,14 @@ main job calls :func:`run`. The environment (``NCCL_*`` included) passes to the 
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tools"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llmsys.bench_harness as harness
 
-import memory_and_step
-
-from llmsys_bench import harness
+memory_and_step = harness.load_beside(__file__, "memory_and_step")
 
 RESULTS = Path(__file__).parent / "results"
 RANKS = 2

@@ -1,7 +1,7 @@
 """A Transformer LM with switchable llmsys kernels, and the benchmarks that run it."""
 
 from .config import SIZES, ModelConfig
-from .hardware import HARDWARE, HardwareSpec
+from .infra.hardware import HARDWARE, HardwareSpec
 from .model import TransformerLM, num_parameters, use_int8_linears
 
 __version__ = "0.2.0"

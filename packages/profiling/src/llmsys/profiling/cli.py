@@ -2,14 +2,14 @@
 
     llmsys-bench e2e --size medium --context-length 1024 --preset llmsys
     llmsys-bench memory --size small --context-length 128 256 512
-    llmsys-bench profile --size small --out results/
+    llmsys-bench profile --size small
     llmsys-bench attention
     llmsys-bench precision
     llmsys-bench llama --quick
-    llmsys-bench report results/ --out REPORT.md
+    llmsys-bench report llmsys-bench-results/ --out REPORT.md
 
 Every subcommand prints a Markdown table and writes ``<out>/<subcommand>.csv`` in the shared
-results schema (``llmsys.profiling.results``); ``--help`` on each lists its options.
+results schema (``llmsys.bench_harness.results``); ``--help`` on each lists its options.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import results
+from llmsys.bench_harness import results
 
 # subcommand -> module with HELP, add_arguments(parser) and run(args) -> list[results.Row]
 SUBCOMMANDS = {
@@ -31,7 +31,7 @@ SUBCOMMANDS = {
     "attention": "attention_sweep",
     "precision": "precision",
     "llama": "llama",
-    "report": "report",
+    "report": "infra.report",
 }
 
 
@@ -40,12 +40,21 @@ def subcommand(name: str):
     return importlib.import_module(f"{__package__}.{SUBCOMMANDS[name]}")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written, and every option's default shown."""
+
+
+def _plain(text: str | None) -> str | None:
+    """A docstring for a terminal: ``code`` printed as `code`."""
+    return text.replace("``", "`") if text else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmsys-bench",
-        description=__doc__.splitlines()[0],
+        description=_plain(__doc__.splitlines()[0]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.splitlines()[2:]),
+        epilog=_plain("\n".join(__doc__.splitlines()[2:])),
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     for name in SUBCOMMANDS:
@@ -53,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(
             name,
             help=module.HELP,
-            description=module.__doc__,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            description=_plain(module.__doc__),
+            formatter_class=_HelpFormatter,
         )
         if name != "report":
             sub.add_argument(
@@ -66,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "--out",
                 type=Path,
                 default=Path("llmsys-bench-results"),
-                help="folder for the CSV and any plots or traces (default: llmsys-bench-results)",
+                help="folder for the CSV and any plots or traces",
             )
         module.add_arguments(sub)
     return parser
@@ -81,7 +90,10 @@ def emit(rows: list[results.Row], out: Path, name: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "int8", False) and set(getattr(args, "mode", ["forward"])) != {"forward"}:
+        parser.error("--int8: int8 linears are inference-only; add --mode forward")
     module = subcommand(args.command)
     rows = module.run(args)
     if args.command != "report":

@@ -4,7 +4,8 @@ Each case builds a fresh model with random weights, runs ``--warmup`` untimed st
 ``--steps`` timed ones. The device is synchronized after each phase (forward, backward,
 optimizer), so every phase's time is its own; the tables give mean and standard deviation per
 phase, tokens per second, model FLOPs utilization (MFU: matmul FLOPs of the step over the GPU's
-dense peak, named in the ``config`` column; see ``llmsys.profiling.accounting``) and peak memory.
+dense peak, named in the ``config`` column; see ``llmsys.profiling.infra.accounting``) and
+peak memory.
 ``forward`` runs under ``torch.no_grad()`` (inference); the other modes keep the graph.
 Sizes, contexts, precisions, presets and warm-up counts sweep (several values each); a case that
 runs out of memory is recorded as OOM and the sweep goes on. ``--warmup 0 1 2 5`` shows the
@@ -21,7 +22,9 @@ import time
 import torch
 from torch.profiler import record_function
 
-from . import accounting, results
+from llmsys.bench_harness import results
+
+from .infra import accounting
 from .model import TransformerLM, use_int8_linears
 from .options import Variant, add_model_arguments, non_negative_int, positive_int, variants
 from .progress import progress

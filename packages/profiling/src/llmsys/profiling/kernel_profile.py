@@ -47,7 +47,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from . import results
+from llmsys.bench_harness import results
+
 from .e2e import Runner
 from .options import add_model_arguments, non_negative_int, positive_int, variants
 from .progress import progress

@@ -36,12 +36,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import results
+from llmsys.bench_harness import results
+
 from .options import non_negative_int, positive_int
 from .progress import progress
 from .training import free_device_memory, lm_loss, make_optimizer, synchronize
 
-HELP = "issue 12's 1.1B Hugging Face Llama: int8 inference and training with our kernels"
+HELP = "a 0.85B Hugging Face Llama: int8 inference and training with our kernels"
 LLAMA = dict(
     hidden_size=2048,
     intermediate_size=5632,

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from . import results
+from llmsys.bench_harness import results
+
 from .e2e import Runner
 from .options import add_model_arguments, non_negative_int, positive_int, variants
 from .progress import progress

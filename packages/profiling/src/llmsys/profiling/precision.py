@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import results
+from llmsys.bench_harness import results
 
 HELP = "float16 vs float32 accumulation error, and the dtypes autocast gives a small model"
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

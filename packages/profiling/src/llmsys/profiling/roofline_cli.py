@@ -22,9 +22,9 @@ import argparse
 import math
 import sys
 
-from . import collectives, memory_model, roofline, roofline_check
 from .config import SIZES, ModelConfig
-from .hardware import GB, HARDWARE, TB, TFLOPS, US, HardwareSpec, lookup
+from .infra import collectives, memory_model, roofline, roofline_check
+from .infra.hardware import GB, HARDWARE, TB, TFLOPS, US, HardwareSpec, lookup
 
 
 def _hardware_arguments(parser: argparse.ArgumentParser) -> None:

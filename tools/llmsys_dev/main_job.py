@@ -18,14 +18,12 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import harness  # first: it puts the profiling package's source on sys.path
+from .workspace import select
 
-# isort: off
-from llmsys.profiling import roofline_check
-from llmsys.profiling.report import table_section
-
-# isort: on
+if TYPE_CHECKING:
+    import llmsys.bench_harness as harness
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +41,9 @@ def load_sweep(package_path: Path):
 def section_body(sweep, rows: list[harness.Row], csv_name: str) -> str:
     """The tables of one package's section, as its sweep chooses to show its rows, then the
     roofline's prediction against them (rows measured on a GPU the model knows)."""
+    from llmsys.bench_harness import table_section
+    from llmsys.profiling.infra import roofline_check
+
     if hasattr(sweep, "report_markdown"):
         body = sweep.report_markdown(rows)
     else:
@@ -62,6 +63,8 @@ def committed_gpu_sections(swept: list, out: Path) -> list[str]:
     """Sections for the committed GPU results (``results/<gpu>.csv``) of each (package, sweep)
     in ``swept``, marked as measured elsewhere: a CPU-only run's report shows them after its
     own rows."""
+    import llmsys.bench_harness as harness
+
     sections = []
     for package, sweep in swept:
         results_dir = package.path / "benchmarks" / "results"
@@ -83,6 +86,21 @@ def committed_gpu_sections(swept: list, out: Path) -> list[str]:
     return sections
 
 
+def merge_into_committed(rows: list, path: Path) -> Path:
+    """Write ``rows`` into the package's committed ``results/<gpu>.csv``: a row of this run
+    replaces the committed row of the same (kernel, provider, mode, case, dtype); the others
+    stay (a default run leaves the ``--full`` rows as they were). ``python
+    tools/readme_tables.py`` then regenerates the READMEs from it."""
+    import llmsys.bench_harness as harness
+
+    def key(r):
+        return (r.kernel, r.provider, r.mode, r.x, r.dtype)
+
+    fresh = {key(r) for r in rows}
+    kept = [r for r in harness.read_rows(path) if key(r) not in fresh] if path.exists() else []
+    return harness.write_csv([*rows, *kept], path)
+
+
 def _takes_full(sweep) -> bool:
     import inspect
 
@@ -90,17 +108,26 @@ def _takes_full(sweep) -> bool:
 
 
 def _committed(package, slug: str) -> list[dict]:
+    import llmsys.bench_harness as harness
+
     path = package.path / "benchmarks" / "results" / f"{slug}.csv"
     return harness.read_csv(path) if path.exists() else []
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The main job's command line (standard library only: ``--help`` needs no torch)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "reports", help="report folder")
     parser.add_argument("--package", action="append", help="only these packages (repeatable)")
     parser.add_argument("--quick", action="store_true", help="smallest cases only")
     parser.add_argument(
-        "--full", action="store_true", help="the long sweeps too (sweeps whose run takes `full`)"
+        "--full",
+        action="store_true",
+        help="the long sweeps too: flash-attn2's whole grid and the "
+        "profiling package's warm-up, memory, profiles, attention sweep and Hugging Face Llama",
     )
     parser.add_argument(
         "--from-results",
@@ -108,13 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: compose the report from each package's committed "
         "benchmarks/results/<GPU>.csv and plot, linked (e.g. h100)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     import torch
     from tqdm import tqdm
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    from llmsys_dev.workspace import select
+    import llmsys.bench_harness as harness
+
+    from . import device as _device  # noqa: F401  (the interpreter without a GPU, before Triton)
 
     device = "cuda" if torch.cuda.is_available() and not args.from_results else "cpu"
     if device == "cpu" and not args.from_results and os.environ.get("TRITON_INTERPRET") != "1":
@@ -123,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out / slug
     out.mkdir(parents=True, exist_ok=True)
     packages = select(args.package)
-    sections, skipped, swept = [], [], []
+    sections, skipped, swept, timings = [], [], [], []
     started = time.perf_counter()
     with tqdm(total=len(packages), desc="packages", unit="pkg") as bar:
         for package in packages:
@@ -141,10 +173,20 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 rows = [harness.Row.from_dict(r) for r in harness.read_csv(committed)]
             else:
+                part_started = time.perf_counter()
                 with tqdm(desc=f"  {package.name}", unit="case", leave=False) as inner:
                     quick = args.quick or device == "cpu"
                     extra = {"full": True} if args.full and _takes_full(sweep) else {}
                     rows = sweep.run(device, quick=quick, progress=inner.update, **extra)
+                part = time.perf_counter() - part_started
+                timings.append((package.name, part))
+                tqdm.write(
+                    f"{package.name}: {part:.0f} s "
+                    f"(main job so far {time.perf_counter() - started:.0f} s)"
+                )
+                if device == "cuda" and rows:
+                    committed = package.path / "benchmarks" / "results" / f"{slug}.csv"
+                    tqdm.write(f"  updated {merge_into_committed(rows, committed)}")
             if args.from_results:  # link the committed files instead of copying them
                 csv_path, png = committed, committed.with_suffix(".png")
             else:
@@ -187,8 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         )
     skipped_text = "\n## Skipped here\n\n" + "\n".join(f"- {s}" for s in skipped) + "\n"
     report = out / "REPORT.md"
-    report.write_text(header + "\n" + "\n".join(sections) + (skipped_text if skipped else ""))
+    timing_text = ""
+    if timings:
+        timing_text = "\n## Where the time went\n\n| part | seconds |\n|---|---:|\n" + "".join(
+            f"| {name} | {seconds:.0f} |\n" for name, seconds in timings
+        )
+    report.write_text(
+        header + "\n" + "\n".join(sections) + (skipped_text if skipped else "") + timing_text
+    )
     print(f"wrote {report}")
+    for name, seconds in timings:
+        print(f"  {name:16} {seconds:6.0f} s")
+    print(f"main job: {elapsed:.0f} s in all")
     return 0
 
 

@@ -25,8 +25,10 @@ import math
 import re
 from pathlib import Path
 
-from . import accounting, collectives, hardware, results
-from .config import SIZES, ModelConfig
+from llmsys.bench_harness import results
+
+from ..config import SIZES, ModelConfig
+from . import accounting, collectives, hardware
 
 FLAG_RATIO = 2.0  # a prediction more than this factor off either way is flagged
 MB = 1e6  # the ddp sweep's sizes are decimal megabytes

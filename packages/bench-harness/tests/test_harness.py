@@ -2,7 +2,7 @@
 
 import torch
 
-from llmsys_bench import harness
+import llmsys.bench_harness as harness
 
 
 def test_csv_round_trip_keeps_the_schema(tmp_path):
@@ -35,15 +35,13 @@ def test_cpu_timer_orders_quantiles():
 
 
 def test_report_table_says_how_many_rows_only_the_csv_has():
-    from llmsys_bench.report import table_section
-
     rows = [
         harness.Row("k", provider, "fwd", "8", "float32", p20=1.0, p50=1.0, p80=1.0)
         for provider in ("eager", "ours", "liger")
     ]
-    full = table_section(rows, rows, "k.csv")
+    full = harness.table_section(rows, rows, "k.csv")
     assert full.count("\n| k |") == 3 and "rows; all of them" not in full
-    short = table_section(rows, rows[:1], "k.csv")
+    short = harness.table_section(rows, rows[:1], "k.csv")
     assert short.count("\n| k |") == 1
     assert short.endswith("1 of 3 rows; all of them are in `k.csv`.")
 
@@ -78,7 +76,7 @@ def test_sweep_main_writes_the_csv_and_plot_then_replots_from_the_csv(tmp_path, 
     assert harness.sweep_main(args, plot, lambda progress: rows, desc="test") == rows
     assert harness.read_rows(tmp_path / "cpu.csv") == rows and plotted == [1]
     printed = capsys.readouterr().out
-    assert "wrote" in printed and " ours " in printed and "p50=   2.0000" in printed
+    assert "wrote" in printed and "| k | fwd | float32 | 8 | ours | 2 ms |" in printed
     args = parser.parse_args(["--replot", str(tmp_path / "cpu.csv")])
     assert harness.sweep_main(args, plot, lambda progress: [], desc="test") == []
     assert plotted == [1, 1]
@@ -99,3 +97,23 @@ def test_sweep_command_parses_the_shared_command_line_then_runs_the_sweep(tmp_pa
     )
     assert out == rows and calls == [("cpu", True)]
     assert harness.read_rows(tmp_path / "cpu.csv") == rows
+
+
+def test_sweep_main_without_matplotlib_writes_the_csv_and_says_no_plot(tmp_path, capsys):
+    rows = [harness.row("k", "ours", "fwd", "8", "float32", (1.0, 2.0, 3.0))]
+
+    def plot(rows, path):
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+
+    args = harness.sweep_arguments("t", tmp_path, "").parse_args(["--device", "cpu"])
+    args.out = tmp_path
+    assert harness.sweep_main(args, plot, lambda progress: rows, desc="t") == rows
+    assert "no plot: matplotlib is not installed" in capsys.readouterr().out
+    assert harness.read_rows(tmp_path / "cpu.csv") == rows
+
+
+def test_plain_progress_prints_a_line_per_step(capsys):
+    with harness.harness._PlainProgress(desc="sweep", total=2) as bar:
+        bar.update()
+        bar.set_postfix_str("case b")
+    assert capsys.readouterr().out.splitlines() == ["sweep: 1/2", "sweep: 1/2 case b"]

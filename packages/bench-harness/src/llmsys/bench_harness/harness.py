@@ -16,16 +16,12 @@ from pathlib import Path
 
 import torch
 
-_PROFILING_SRC = Path(__file__).resolve().parents[2] / "packages" / "profiling" / "src"
-if str(_PROFILING_SRC) not in sys.path:  # a sweep run as a script with only its own src on the path
-    sys.path.append(str(_PROFILING_SRC))
-
-# The schema lives in the profiling package, so a pip-installed `llmsys-bench` writes it too.
-from llmsys.profiling.results import (  # noqa: E402
+from .results import (
     CSV_FIELDS,
     Row,
     device_name,
     device_slug,
+    markdown_table,
     read_csv,
     read_rows,
     timestamp,
@@ -39,8 +35,11 @@ __all__ = [
     "device_name",
     "device_slug",
     "host_us_per_call",
+    "load_beside",
     "matmul_rate",
+    "plot_or_say_why_not",
     "plot_vs_baseline",
+    "progress_bar",
     "read_csv",
     "read_rows",
     "replot",
@@ -234,31 +233,65 @@ def sweep_arguments(description: str, results: Path, quick_help: str):
     return parser
 
 
+class _PlainProgress:
+    """tqdm's interface, as a line per step on stdout, for machines without tqdm."""
+
+    def __init__(self, desc: str = "", total: int | None = None, **_):
+        self.desc, self.total, self.n = desc, total, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        print(f"{self.desc}: {self.n}/{self.total or '?'}", flush=True)
+
+    def set_postfix_str(self, text: str) -> None:
+        print(f"{self.desc}: {self.n}/{self.total or '?'} {text}", flush=True)
+
+
+def progress_bar(**bar):
+    """A tqdm bar (``desc``, ``total``, ...) counting cases, or plain lines without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ModuleNotFoundError:
+        return _PlainProgress(**bar)
+    return tqdm(unit="case", **bar)
+
+
+def plot_or_say_why_not(plot: Callable[[list[Row], Path], Path], rows: list[Row], path: Path):
+    """``plot(rows, path)``, or None (saying so) where matplotlib is not installed."""
+    try:
+        return plot(rows, path)
+    except ModuleNotFoundError as error:
+        if error.name != "matplotlib":
+            raise
+        print("no plot: matplotlib is not installed (pip install matplotlib)")
+        return None
+
+
 def sweep_main(
     args, plot: Callable[[list[Row], Path], Path], run: Callable[[Callable], list[Row]], **bar
 ) -> list[Row]:
     """The body of every sweep's ``main()`` after parsing ``sweep_arguments``: ``--replot`` only
     redraws; otherwise ``run(progress)`` under a progress bar (``bar``: tqdm's ``desc``,
-    ``total``), then ``<device>.csv`` and its plot under ``--out``, and every row printed."""
+    ``total``), then ``<device>.csv`` and its plot under ``--out``, and the rows as a Markdown
+    table (the columns are the CSV's, by the CSV's names)."""
     if args.replot:
         print("wrote", replot(args.replot, plot))
         return []
-    from tqdm import tqdm
-
     started = time.perf_counter()
-    with tqdm(unit="case", **bar) as progress:
+    with progress_bar(**bar) as progress:
         rows = run(progress.update)
     slug = device_slug(args.device)
     csv_path = write_csv(rows, args.out / f"{slug}.csv")
-    png = plot(rows, args.out / f"{slug}.png")
-    print("wrote", csv_path, png, f"in {time.perf_counter() - started:.0f} s")
-    for r in rows:
-        rate = f"{r.throughput:8.2f} {r.throughput_unit}" if r.throughput else ""
-        print(
-            f"{r.kernel:20} {r.mode:8} {r.dtype:9} {r.x:>22} {r.provider:14} "
-            f"p50={r.p50:9.4f} {r.unit:2} {rate:16} frac={r.roofline_fraction or 0:5.2f} "
-            f"x_base={r.speedup_vs_baseline or 0:5.2f} {r.config}"
-        )
+    png = plot_or_say_why_not(plot, rows, args.out / f"{slug}.png")
+    print(markdown_table(rows))
+    wrote = f"{csv_path} and {png}" if png else str(csv_path)
+    print(f"wrote {wrote} in {time.perf_counter() - started:.0f} s")
     return rows
 
 
@@ -282,6 +315,23 @@ def sweep_command(
         lambda progress: run(args.device, quick=args.quick, progress=progress),
         desc=desc,
     )
+
+
+def load_beside(script: str | Path, name: str):
+    """The module ``name``.py from the folder of ``script`` (a benchmark's sibling script),
+    imported by path and registered in ``sys.modules``: no ``sys.path`` edit, so a sweep loaded
+    by the main job finds its siblings as when it runs as a script."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(
+        name, Path(script).resolve().parent / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def replot(csv_path: Path, plot: Callable[[list[Row], Path], Path]) -> Path:
@@ -356,20 +406,21 @@ def plot_vs_baseline(
 
 
 def torchrun(script: Path, processes: int, arguments: list[str]) -> None:
-    """Run a benchmark ``script`` on ``processes`` torchrun ranks of this host (a free port, every
-    package's source on PYTHONPATH, the environment otherwise unchanged, NCCL_* included);
+    """Run a benchmark ``script`` on ``processes`` torchrun ranks of this host (a free port, this
+    process's import path as PYTHONPATH, the environment otherwise unchanged, NCCL_* included);
     RuntimeError with the ranks' output if it fails."""
     import os
+    import socket
     import subprocess
 
-    from llmsys_dev.ranks import free_port
-    from llmsys_dev.workspace import source_paths
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*source_paths(), env.get("PYTHONPATH", "")])
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ)  # the ranks import what this process imports (installed or PYTHONPATH)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-        "--master-port", str(free_port()), str(script), *arguments,
+        "--master-port", str(port), str(script), *arguments,
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:

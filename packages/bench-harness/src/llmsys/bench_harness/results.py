@@ -4,7 +4,7 @@ Each row of a results CSV is one (kernel, provider, mode, case): its p20/p50/p80
 throughput they imply and that throughput as a fraction of a ceiling (copy bandwidth, the
 matmul rate, or the GPU's peak FLOP/s for model FLOPs utilization). ``mean``, ``std`` and
 ``memory_gib`` are filled by benchmarks that report them (the end-to-end model runs).
-The workspace's benchmark harness (``tools/llmsys_bench``) re-exports this module.
+``llmsys.bench_harness`` re-exports it, beside the timer and row builder of ``harness``.
 """
 
 from __future__ import annotations
@@ -165,3 +165,11 @@ def markdown_table(rows: list[Row]) -> str:
         )
         lines.append(line + (f" {_number(r.memory_gib, '.2f')} |" if with_memory else ""))
     return "\n".join(lines)
+
+
+def table_section(rows: list[Row], shown: list[Row], csv_name: str) -> str:
+    """The Markdown table of ``shown``, saying how many of ``rows`` are only in the CSV."""
+    table = markdown_table(shown)
+    if len(shown) < len(rows):
+        table += f"\n\n{len(shown)} of {len(rows)} rows; all of them are in `{csv_name}`."
+    return table

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .hardware import HARDWARE
 
 # Dense peaks in TFLOP/s by a pattern of ``torch.cuda.get_device_name()``, the more specific

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import results
+from llmsys.bench_harness import results
 
 HELP = "compose results CSVs (files or folders) into one Markdown report with tables and plots"
 
@@ -22,12 +22,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--title", default="llmsys benchmark report")
 
 
-def table_section(rows: list[results.Row], shown: list[results.Row], csv_name: str) -> str:
-    """The Markdown table of ``shown``, saying how many of ``rows`` are only in the CSV."""
-    table = results.markdown_table(shown)
-    if len(shown) < len(rows):
-        table += f"\n\n{len(shown)} of {len(rows)} rows; all of them are in `{csv_name}`."
-    return table
+table_section = results.table_section  # the main job's report uses the same table
 
 
 def csv_files(inputs: list[Path]) -> list[Path]:

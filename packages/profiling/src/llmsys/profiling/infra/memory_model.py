@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..config import ModelConfig
 from . import collectives
-from .config import ModelConfig
 from .hardware import HardwareSpec
 from .roofline import MATMUL_PRECISION, dtype_bytes
 

@@ -1,0 +1,333 @@
+"""README results tables, generated from the committed CSVs (standard library only).
+
+A README holds ``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->``; ``TABLES[NAME]`` says
+which CSV and which rows it shows. Package tables pivot providers into columns: each provider's
+median time and, in brackets, that time over the baseline's (the first provider; lower is
+faster). The root README's table (``results:root``) picks one or two numbers per package from
+the same CSVs, so a claim has one value. Each table starts with the GPU, the date of the run and
+the command that made it.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+from pathlib import Path
+
+MAIN_JOB = "python tools/bench.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    package: str
+    csv: str  # under packages/<package>/benchmarks/results/
+    providers: tuple[str, ...]  # columns; the first is the baseline
+    where: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (field, allowed values)
+    ours: str = "ours"  # the provider whose throughput and roofline fraction are shown
+    command: str = ""  # default: the main job for this package
+
+    def rows(self, root: Path) -> list[dict]:
+        allowed = dict(self.where)
+        return [
+            r
+            for r in _read(root, self.package, self.csv)
+            if all(r[field] in values for field, values in allowed.items())
+        ]
+
+
+def _read(root: Path, package: str, name: str) -> list[dict]:
+    path = root / "packages" / package / "benchmarks" / "results" / name
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _float(value: str) -> float | None:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(number) else number
+
+
+def _time(p50: float, unit: str) -> str:
+    if unit == "ms" and p50 < 1:
+        return f"{p50 * 1000:.1f} us"
+    return f"{p50:.3g} {unit}" if p50 < 100 else f"{p50:,.0f} {unit}"
+
+
+def provenance(rows: list[dict], command: str, csv_link: str) -> str:
+    gpus = ", ".join(sorted({r["gpu"] for r in rows if r["gpu"]})) or "unknown GPU"
+    days = sorted({r["timestamp"][:10] for r in rows if r["timestamp"]})
+    when = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "undated"
+    versions = ", ".join(sorted({r["version"] for r in rows if r["version"]}))
+    return (
+        f"{gpus}, {when}, versions {versions or '?'}; made by `{command}` "
+        f"([CSV]({csv_link})); medians, time over `{rows[0]['provider'] if rows else '?'}` "
+        "in brackets where a baseline applies (lower is faster)."
+    )
+
+
+def package_table(table: Table, root: Path) -> str:
+    rows = table.rows(root)
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_case.setdefault((r["kernel"], r["mode"], r["x"], r["dtype"]), {})[r["provider"]] = r
+    base = table.providers[0]
+    head = ["kernel", "mode", "case", "dtype", *table.providers, f"{table.ours} throughput"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|---|" + "---:|" * (len(head) - 4)]
+    for (kernel, mode, x, dtype), providers in by_case.items():
+        baseline = providers.get(base)
+        base_p50 = _float(baseline["p50"]) if baseline else None
+        cells = []
+        for name in table.providers:
+            r = providers.get(name)
+            p50 = _float(r["p50"]) if r else None
+            if p50 is None:
+                cells.append("")
+                continue
+            text = _time(p50, r["unit"])
+            if base_p50 and name != base:
+                text += f" ({p50 / base_p50:.2f})"
+            cells.append(text)
+        ours = providers.get(table.ours)
+        rate = ""
+        if ours and _float(ours["throughput"]):
+            value = _float(ours["throughput"])
+            rate = f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+            rate += f" {ours['throughput_unit']}"
+            fraction = _float(ours["roofline_fraction"])
+            if fraction is not None:
+                rate += f" ({fraction:.0%} of roofline)"
+        lines.append("| " + " | ".join([kernel, mode, x, dtype, *cells, rate]) + " |")
+    command = table.command or f"{MAIN_JOB} --package {table.package}"
+    link = f"benchmarks/results/{table.csv}"
+    return provenance(rows, command, link) + "\n\n" + "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pick:
+    """One number of the root README: ``field`` of one row, or a ratio of two rows' p50."""
+
+    label: str
+    package: str
+    csv: str
+    row: tuple[str, str, str, str, str]  # kernel, provider, mode, x, dtype ("" matches any)
+    over: tuple[str, str, str, str, str] | None = None  # p50 ratio: row / over
+    field: str = "p50"
+    fmt: str = "{:.2f}x"
+
+    def find(self, rows: list[dict], key: tuple) -> dict:
+        names = ("kernel", "provider", "mode", "x", "dtype")
+        found = [
+            r for r in rows if all(not v or r[n] == v for n, v in zip(names, key, strict=True))
+        ]
+        if len(found) != 1:
+            raise ValueError(f"{self.package}/{self.csv}: {len(found)} rows match {key}")
+        return found[0]
+
+    def render(self, root: Path) -> tuple[str, dict]:
+        rows = _read(root, self.package, self.csv)
+        r = self.find(rows, self.row)
+        if self.over:
+            value = _float(r["p50"]) / _float(self.find(rows, self.over)["p50"])
+        else:
+            value = _float(r[self.field])
+        return f"{self.label} {self.fmt.format(value)}", r
+
+
+SW = ("swiglu", "ours", "fwd", "16384x8192", "bfloat16")
+TABLES = {
+    "kernels-swiglu": Table(
+        "kernels-swiglu",
+        "h100.csv",
+        ("eager", "ours", "compile", "liger"),
+        (("mode", ("fwd", "fwd_bwd")),),
+    ),
+    "kernels-int8": Table(
+        "kernels-int8",
+        "h100.csv",
+        ("cublas_fp16", "ours", "ours_e2e", "int_mm_rescale"),
+        (("mode", ("sum4",)),),
+        command=f"{MAIN_JOB} --package kernels-int8",
+    ),
+    "kernels-int8-quantize": Table(
+        "kernels-int8",
+        "h100.csv",
+        ("eager_native", "ours"),
+        (("mode", ("quantize",)),),
+    ),
+    "kernels-moe": Table(
+        "kernels-moe",
+        "h100.csv",
+        ("eager", "ours", "ours-out_rows", "torch.compile"),
+        (("mode", ("fwd", "fwd_bwd")),),
+    ),
+    "flash-attn2": Table(
+        "flash-attn2",
+        "h100.csv",
+        ("sdpa_flash", "ours", "sdpa_cudnn", "compile"),
+        (
+            ("x", ("1x16x16384x64", "1x16x4096x64", "1x16x1024x64")),
+            ("dtype", ("bfloat16",)),
+        ),
+    ),
+    "profiling": Table(
+        "profiling",
+        "h100.csv",
+        ("eager", "compiled", "llmsys+reduce-overhead", "sdpa+eager+compiled+reduce-overhead"),
+        (("kernel", ("transformer_lm",)), ("mode", ("train-step",))),
+        ours="llmsys+reduce-overhead",
+    ),
+    "profiling-llama-inference": Table(
+        "profiling",
+        "h100-llama.csv",
+        ("fp16", "int8"),
+        (("kernel", ("llama/prefill", "llama/decode")),),
+        ours="int8",
+        command="llmsys-bench llama --reps 10",
+    ),
+    "profiling-llama-training": Table(
+        "profiling",
+        "h100-llama.csv",
+        ("stock", "llmsys"),
+        (("kernel", ("llama/train-step",)),),
+        ours="llmsys",
+        command="llmsys-bench llama --reps 10",
+    ),
+    "ddp": Table(
+        "ddp",
+        "h200.csv",
+        ("torch DDP", "no communication", "naive", "flat", "bucketed 25 MB", "bucketed 1000 MB"),
+        (("kernel", ("transformer_lm/data_parallel",)),),
+        ours="bucketed 1000 MB",
+        command="python packages/ddp/benchmarks/sweep.py (2 GPUs)",
+    ),
+    "ddp-all-reduce": Table(
+        "ddp",
+        "h200.csv",
+        ("nccl",),
+        (("kernel", ("all_reduce",)), ("provider", ("nccl",))),
+        ours="nccl",
+        command="python packages/ddp/benchmarks/sweep.py (2 GPUs)",
+    ),
+    "sharded-optim": Table(
+        "sharded-optim",
+        "h200.csv",
+        ("adamw", "sharded", "zero-redundancy"),
+        (("kernel", ("zero1/train-step", "zero1/optimizer-step")),),
+        ours="sharded",
+        command="torchrun --nproc-per-node 2 packages/sharded-optim/benchmarks/memory_and_step.py",
+    ),
+}
+
+ROOT_PICKS = {  # package: (GPU label, picks)
+    "kernels-swiglu": [
+        Pick("fwd time / eager at 16384x8192 bf16:", "kernels-swiglu", "h100.csv", SW,
+             ("swiglu", "eager", "fwd", "16384x8192", "bfloat16")),
+        Pick("of copy bandwidth there:", "kernels-swiglu", "h100.csv", SW,
+             field="roofline_fraction", fmt="{:.0%}"),
+        Pick("fwd+bwd:", "kernels-swiglu", "h100.csv",
+             ("swiglu", "ours", "fwd_bwd", "16384x8192", "bfloat16"),
+             ("swiglu", "eager", "fwd_bwd", "16384x8192", "bfloat16")),
+        Pick("fwd at 7x3x5 fp32:", "kernels-swiglu", "h100.csv",
+             ("swiglu", "ours", "fwd", "7x3x5", "float32"),
+             ("swiglu", "eager", "fwd", "7x3x5", "float32")),
+    ],
+    "kernels-int8": [
+        Pick("the four Qwen2.5-3B GEMMs at 16384 tokens, time / cuBLAS fp16:", "kernels-int8",
+             "h100.csv", ("w8a8_gemm", "ours", "sum4", "M=16384 all shapes", "int8"),
+             ("w8a8_gemm", "cublas_fp16", "sum4", "M=16384 all shapes", "fp16")),
+        Pick("with activation quantization (end to end):", "kernels-int8", "h100.csv",
+             ("w8a8_gemm", "ours_e2e", "sum4", "M=16384 all shapes", "int8"),
+             ("w8a8_gemm", "cublas_fp16", "sum4", "M=16384 all shapes", "fp16")),
+        Pick("decode (M=1) end to end:", "kernels-int8", "h100.csv",
+             ("w8a8_gemm", "ours_e2e", "sum4", "M=1 all shapes", "int8"),
+             ("w8a8_gemm", "cublas_fp16", "sum4", "M=1 all shapes", "fp16")),
+    ],
+    "flash-attn2": [
+        Pick("causal bf16 fwd+bwd at 1x16x16384x64, time / SDPA flash:", "flash-attn2",
+             "h100.csv", ("flash_attention", "ours", "fwd_bwd", "1x16x16384x64", "bfloat16"),
+             ("flash_attention", "sdpa_flash", "fwd_bwd", "1x16x16384x64", "bfloat16")),
+        Pick("/ cuDNN:", "flash-attn2", "h100.csv",
+             ("flash_attention", "ours", "fwd_bwd", "1x16x16384x64", "bfloat16"),
+             ("flash_attention", "sdpa_cudnn", "fwd_bwd", "1x16x16384x64", "bfloat16")),
+    ],
+    "kernels-moe": [
+        Pick("permute time / eager at T16384-H4096-k8-E128:", "kernels-moe", "h100.csv",
+             ("moe_permute", "ours", "fwd", "T16384-H4096-k8-E128", "bfloat16"),
+             ("moe_permute", "eager", "fwd", "T16384-H4096-k8-E128", "bfloat16")),
+        Pick("unpermute:", "kernels-moe", "h100.csv",
+             ("moe_unpermute", "ours", "fwd", "T16384-H4096-k8-E128", "bfloat16"),
+             ("moe_unpermute", "eager", "fwd", "T16384-H4096-k8-E128", "bfloat16")),
+    ],
+    "ddp": [
+        Pick("NCCL all-reduce bus bandwidth at 1000 MB (GB/s):", "ddp", "h200.csv",
+             ("all_reduce", "nccl", "2 ranks", "1000 MB", ""), field="throughput",
+             fmt="{:.0f}"),
+        Pick("xl train step, our best bucketed / torch DDP:", "ddp", "h200.csv",
+             ("transformer_lm/data_parallel", "bucketed 1000 MB", "", "", ""),
+             ("transformer_lm/data_parallel", "torch DDP", "", "", "")),
+    ],
+    "sharded-optim": [
+        Pick("AdamW state, GiB: unsharded", "sharded-optim", "h200.csv",
+             ("zero1/optimizer-state", "adamw", "accounting", "", ""), field="memory_gib",
+             fmt="{:.2f}"),
+        Pick("per rank of 2:", "sharded-optim", "h200.csv",
+             ("zero1/optimizer-state", "sharded", "accounting", "", ""), field="memory_gib",
+             fmt="{:.2f}"),
+        Pick("peak saving, GiB:", "sharded-optim", "h200.csv",
+             ("zero1/peak-saving", "sharded", "accounting", "", ""), field="memory_gib",
+             fmt="{:.2f}"),
+    ],
+    "profiling": [
+        Pick("medium ctx 1024 bf16 train step, every llmsys kernel + CUDA graphs / eager:",
+             "profiling", "h100.csv",
+             ("transformer_lm", "llmsys+reduce-overhead", "train-step", "medium ctx=1024 batch=4",
+              "bf16"),
+             ("transformer_lm", "eager", "train-step", "medium ctx=1024 batch=4", "bf16")),
+        Pick("/ torch.compile:", "profiling", "h100.csv",
+             ("transformer_lm", "llmsys+reduce-overhead", "train-step", "medium ctx=1024 batch=4",
+              "bf16"),
+             ("transformer_lm", "compiled", "train-step", "medium ctx=1024 batch=4", "bf16")),
+    ],
+}  # fmt: skip
+
+
+def root_table(root: Path) -> str:
+    lines = [
+        "| package | GPU, date | headline (time ratios: lower is faster) | made by |",
+        "|---|---|---|---|",
+    ]
+    for package, picks in ROOT_PICKS.items():
+        texts, rows = zip(*(pick.render(root) for pick in picks), strict=True)
+        gpus = ", ".join(sorted({r["gpu"].removeprefix("NVIDIA ") for r in rows}))
+        days = ", ".join(sorted({r["timestamp"][:10] for r in rows}))
+        table = next(t for t in TABLES.values() if t.package == package)
+        command = table.command or f"{MAIN_JOB} --package {package}"
+        link = f"[{package}](packages/{package}#results)"
+        lines.append(f"| {link} | {gpus}, {days} | {'; '.join(texts)} | `{command}` |")
+    return "\n".join(lines)
+
+
+def _replace(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
+    if start not in text:
+        return text
+    head, rest = text.split(start, 1)
+    return f"{head}{start}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
+def generate(root: Path, texts: dict[Path, str]) -> dict[Path, str]:
+    """README texts with every results block regenerated (``texts``: already generated ones)."""
+    out = {}
+    readmes = [root / "README.md", *sorted((root / "packages").glob("*/README.md"))]
+    for path in readmes:
+        text = texts.get(path, path.read_text())
+        new = _replace(text, "root", root_table(root)) if path.parent == root else text
+        for name, table in TABLES.items():
+            if f"<!-- results:{name} -->" in new:
+                new = _replace(new, name, package_table(table, root))
+        if new != text or path in texts:
+            out[path] = new
+    return out

@@ -1,0 +1,33 @@
+"""The READMEs' generated parts match what `python tools/readme_tables.py` writes from the
+committed CSVs and pyproject files, so a README number has one source."""
+
+import readme_tables
+
+from llmsys_dev import readme_install, readme_results
+from llmsys_dev.isolation import install_command
+from llmsys_dev.workspace import ROOT, discover
+
+
+def test_readmes_match_the_generator():
+    stale = [
+        str(path.relative_to(ROOT))
+        for path, text in readme_tables.generate().items()
+        if path.read_text() != text
+    ]
+    assert stale == [], "run `python tools/readme_tables.py` and commit: " + ", ".join(stale)
+
+
+def test_every_package_readme_has_an_install_command_naming_its_siblings():
+    packages = discover()
+    for package in packages.values():
+        command = install_command(package)
+        assert readme_install.CPU_TORCH in command
+        for dep in package.deps:
+            assert f"./packages/{dep}" in command, (package.name, dep)
+
+
+def test_every_results_block_names_its_gpu_date_and_command():
+    for name, table in readme_results.TABLES.items():
+        text = readme_results.package_table(table, ROOT)
+        first = text.splitlines()[0]
+        assert "NVIDIA" in first and "made by `" in first and "2026-" in first, name
