@@ -56,14 +56,14 @@ def _time(p50: float, unit: str) -> str:
     return f"{p50:.3g} {unit}" if p50 < 100 else f"{p50:,.0f} {unit}"
 
 
-def provenance(rows: list[dict], command: str, csv_link: str) -> str:
+def provenance(rows: list[dict], command: str, csv_link: str, baseline: str) -> str:
     gpus = ", ".join(sorted({r["gpu"] for r in rows if r["gpu"]})) or "unknown GPU"
     days = sorted({r["timestamp"][:10] for r in rows if r["timestamp"]})
     when = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "undated"
     versions = ", ".join(sorted({r["version"] for r in rows if r["version"]}))
     return (
         f"{gpus}, {when}, versions {versions or '?'}; made by `{command}` "
-        f"([CSV]({csv_link})); medians, time over `{rows[0]['provider'] if rows else '?'}` "
+        f"([CSV]({csv_link})); medians, time over `{baseline}` "
         "in brackets where a baseline applies (lower is faster)."
     )
 
@@ -102,7 +102,7 @@ def package_table(table: Table, root: Path) -> str:
         lines.append("| " + " | ".join([kernel, mode, x, dtype, *cells, rate]) + " |")
     command = table.command or f"{MAIN_JOB} --package {table.package}"
     link = f"benchmarks/results/{table.csv}"
-    return provenance(rows, command, link) + "\n\n" + "\n".join(lines)
+    return provenance(rows, command, link, base) + "\n\n" + "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +141,7 @@ TABLES = {
     "kernels-swiglu": Table(
         "kernels-swiglu",
         "h100.csv",
-        ("eager", "ours", "compile", "liger"),
+        ("eager", "ours", "swiglu()", "previous", "compile", "liger"),
         (("mode", ("fwd", "fwd_bwd")),),
     ),
     "kernels-int8": Table(
