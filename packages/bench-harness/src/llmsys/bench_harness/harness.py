@@ -35,6 +35,7 @@ __all__ = [
     "device_name",
     "device_slug",
     "host_us_per_call",
+    "host_us_side_by_side",
     "load_beside",
     "matmul_rate",
     "plot_or_say_why_not",
@@ -50,6 +51,7 @@ __all__ = [
     "sweep_main",
     "time_ms",
     "timestamp",
+    "torchrun",
     "write_csv",
 ]
 
