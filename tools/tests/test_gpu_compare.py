@@ -2,6 +2,7 @@
 --benchmark-compare-fail, on a tiny benchmark against doctored copies of its own run."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ def run(tmp_path: Path, baseline: Path | None, name: str) -> subprocess.Complete
         cwd=tmp_path,
         capture_output=True,
         text=True,
+        # not a worker of the calling run's pytest-xdist, if any (pytest-benchmark then skips)
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},
     )
 
 

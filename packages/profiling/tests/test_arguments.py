@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmsys.profiling import ModelConfig, TransformerLM
-from llmsys.profiling.collectives import Link
-from llmsys.profiling.hardware import HardwareSpec
-from llmsys.profiling.memory_model import ModelShape
+from llmsys.profiling.infra.collectives import Link
+from llmsys.profiling.infra.hardware import HardwareSpec
+from llmsys.profiling.infra.memory_model import ModelShape
 from llmsys.profiling.options import Variant
 
 TINY = ModelConfig(
