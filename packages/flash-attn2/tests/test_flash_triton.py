@@ -455,3 +455,11 @@ def test_gpu_more_than_2_31_elements():
     ref_out, _, *ref_grads = reference_with_grads(*tail, grad_out[-3:], True)
     got = (out.detach()[-3:], q.grad[-3:], k.grad[-3:], v.grad[-3:])
     assert_matches_spec(got, (ref_out, *ref_grads), torch.bfloat16, "cuda")
+
+
+def test_double_backward_raises_instead_of_dropping_second_order_terms(device):
+    q, k, v = (torch.randn(1, 2, 5, 16, device=device, requires_grad=True) for _ in range(3))
+    with pytest.raises(RuntimeError, match="flash_attention: double backward is not supported"):
+        torch.autograd.grad(flash_attention(q, k, v).sum(), (q, k, v), create_graph=True)
+    grads = torch.autograd.grad(flash_attention(q, k, v, causal=True).sum(), (q, k, v))
+    assert all(g.shape == q.shape for g in grads)  # first order still works

@@ -275,3 +275,19 @@ def test_no_sync_and_cuda_graph():
             captured = moe_unpermute(expert_out, row_index, weights)
         graph.replay()
     assert torch.equal(captured, expected[0])
+
+
+def test_double_backward_raises_instead_of_dropping_second_order_terms(device):
+    top, counts = random_routing(6, 2, 4, device)
+    x = rand((6, 8), torch.float32, device).requires_grad_()
+    permuted, _, row_index = padded_moe_permute(
+        x, top, counts, 2, 4, align=4, return_row_index=True
+    )
+    weights = torch.rand(6, 2, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="padded_moe_permute: double backward is not supported"):
+        torch.autograd.grad(permuted.sum(), x, create_graph=True)
+    y = moe_unpermute(permuted, row_index, weights)
+    with pytest.raises(RuntimeError, match="moe_unpermute: double backward is not supported"):
+        torch.autograd.grad(y.sum(), weights, create_graph=True)
+    (grad_weights,) = torch.autograd.grad(y.sum(), weights)  # first order still works
+    assert grad_weights.shape == weights.shape

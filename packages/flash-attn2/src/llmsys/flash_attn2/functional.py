@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from llmsys.triton_launch import call_below_autograd, checks, wants_grad
+from llmsys.triton_launch import call_below_autograd, checks, refuse_double_backward, wants_grad
 
 from . import ops
 from .flash_torch import check_causal_and_scale
@@ -47,6 +47,7 @@ class FlashAttention2Triton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_double_backward("flash_attention")
         lse, q, k, v, out = ctx.saved_tensors
         dq, dk, dv = call_below_autograd(
             ops.flash_attn2_bwd, grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.triton_launch import call_below_autograd, checks, wants_grad
+from llmsys.triton_launch import call_below_autograd, checks, refuse_double_backward, wants_grad
 
 from . import ops  # registers torch.ops.llmsys.moe_*
 
@@ -22,6 +22,7 @@ class _PermuteFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_padded, _grad_row_index):
         # Each token was copied to its topk rows: its gradient is the sum of theirs.
+        refuse_double_backward("padded_moe_permute")
         (row_index,) = ctx.saved_tensors
         grad_x = call_below_autograd(ops.moe_unpermute, grad_out, row_index, None)
         return grad_x, None, None, None, None, None
@@ -35,6 +36,7 @@ class _UnpermuteFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        refuse_double_backward("moe_unpermute")
         expert_out, row_index, routing_weights = ctx.saved_tensors
         weights_grad = ctx.needs_input_grad[2]
         grad_src, grad_weights = call_below_autograd(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.triton_launch import call_below_autograd, wants_grad
+from llmsys.triton_launch import call_below_autograd, refuse_double_backward, wants_grad
 
 from . import ops  # registers torch.ops.llm_scaling_week.*
 
@@ -14,12 +14,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out):
+    refuse_double_backward("swiglu")
     a, b = ctx.saved_tensors
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        # create_graph=True: the gradients would lack their own graph, silently
-        raise RuntimeError(
-            "swiglu: double backward is not supported (backward ran with create_graph=True)"
-        )
     return call_below_autograd(ops.swiglu_bwd, grad_out, a, b)
 
 

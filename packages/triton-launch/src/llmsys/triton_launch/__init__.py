@@ -5,7 +5,7 @@ calls its ops), and ``checks`` (argument checks whose errors name the argument).
 
 from . import checks
 from .launcher import cdiv, launch, next_power_of_2, runs_under_interpreter
-from .library import call_below_autograd, define_op, wants_grad
+from .library import call_below_autograd, define_op, refuse_double_backward, wants_grad
 
 __version__ = "0.3.0"
 
@@ -17,6 +17,7 @@ __all__ = [
     "define_op",
     "launch",
     "next_power_of_2",
+    "refuse_double_backward",
     "runs_under_interpreter",
     "wants_grad",
 ]

@@ -106,6 +106,16 @@ def wants_grad(*args) -> bool:
     )
 
 
+def refuse_double_backward(name: str) -> None:
+    """Call first in an ``autograd.Function``'s backward whose kernels have no backward of their
+    own: a backward run with ``create_graph=True`` (grad mode on inside it) raises instead of
+    returning gradients without their graph, which would drop second-order terms silently."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{name}: double backward is not supported (backward ran with create_graph=True)"
+        )
+
+
 def call_below_autograd(op, *args):
     """Call ``op`` where autograd has nothing to record: from an ``autograd.Function``'s forward
     or backward, or where no argument requires grad. Its impl directly when that is all the
