@@ -117,3 +117,14 @@ def test_plain_progress_prints_a_line_per_step(capsys):
         bar.update()
         bar.set_postfix_str("case b")
     assert capsys.readouterr().out.splitlines() == ["sweep: 1/2", "sweep: 1/2 case b"]
+
+
+def test_markdown_table_prints_the_spread_without_scientific_notation():
+    import dataclasses
+
+    base = harness.row("e2e/step", "sdpa+eager", "train", "tiny", torch.float32, (700, 732, 760))
+    for std, shown in [(130.4, "732 ± 130 ms"), (1.3, "732 ± 1.3 ms"), (0.0123, "732 ± 0.012 ms"),
+                       (12345.0, "732 ± 12000 ms"), (0.0, "732 ± 0 ms")]:  # fmt: skip
+        table = harness.markdown_table([dataclasses.replace(base, std=std)])
+        assert shown in table, (std, table)
+        assert "e+" not in table and "e-" not in table

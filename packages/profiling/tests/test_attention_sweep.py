@@ -2,6 +2,7 @@
 
 import argparse
 import math
+import sys
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from llmsys.bench_harness import results
 from llmsys.profiling import attention_sweep, cli
 from llmsys.profiling.attention import naive_attention
+from llmsys.profiling.progress import progress
 
 # One tiny shape shared by the tests, so torch.compile compiles it once per test session.
 BATCH, SEQ, HEAD_DIM = 2, 24, 16
@@ -162,3 +164,12 @@ def test_bad_arguments_are_named(argv, message, capsys, tmp_path):
         cli.main(["attention", "--device", "cpu", "--out", str(tmp_path), *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_progress_names_each_case_readably(monkeypatch, capsys):
+    assert attention_sweep.case_label((16, 32, "naive")) == "naive d=16 seq=32"
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain one-line-per-case progress
+    cases = [(16, 32, "naive"), (16, 32, "flash")]
+    assert list(progress(cases, "attention", attention_sweep.case_label)) == cases
+    err = capsys.readouterr().err
+    assert "attention: 1/2 naive d=16 seq=32" in err and "(16, 32" not in err

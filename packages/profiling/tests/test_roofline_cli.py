@@ -108,6 +108,15 @@ def test_check_end_to_end_rows(capsys):
     assert "measured/predicted" in out and ">2x off" in out and "h100.csv" in out
 
 
+def test_the_readmes_check_command_runs_from_the_repo_root(capsys, monkeypatch):
+    readme = (PACKAGES / "profiling" / "README.md").read_text()
+    [line] = [line for line in readme.splitlines() if line.startswith("llmsys-roofline check ")]
+    argv = line.split("#")[0].split()[1:]
+    monkeypatch.chdir(PACKAGES.parent)
+    out = run(argv, capsys)
+    assert out.count("rows modelled") == len(argv) - 1
+
+
 def _kernel_row(unit: str, dtype: str, throughput: float, p50_ms: float) -> results.Row:
     return results.Row(kernel="k", provider="p", mode="fwd", x="n", dtype=dtype, p20=p50_ms,
                        p50=p50_ms, p80=p50_ms, throughput=throughput, throughput_unit=unit,

@@ -75,7 +75,9 @@ def main() -> None:
     rows = run(args.device, quick=args.quick)
     if rows:
         csv = harness.write_csv(rows, args.out / f"{harness.device_slug(args.device)}.csv")
-        print(f"wrote {csv} and {plot(rows, csv.with_suffix('.png'))}")
+        png = harness.plot_or_say_why_not(plot, rows, csv.with_suffix(".png"))
+        print(harness.markdown_table(rows))
+        print(f"wrote {csv} and {png}" if png else f"wrote {csv}")
 
 
 if __name__ == "__main__":

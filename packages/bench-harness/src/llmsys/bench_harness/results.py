@@ -142,6 +142,15 @@ def _readable(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
+def _spread(value: float) -> str:
+    """Two significant digits, never in scientific notation: ``130`` rather than ``1.3e+02``."""
+    short = f"{value:.2g}"
+    if "e" not in short or not math.isfinite(value):
+        return short
+    exponent = math.floor(math.log10(abs(value)))
+    return f"{round(value, 1 - exponent):.{max(1 - exponent, 0)}f}"
+
+
 def markdown_table(rows: list[Row]) -> str:
     """One line per row; a ``±std`` after p50 and a memory column where rows carry them."""
     with_memory = any(r.memory_gib is not None for r in rows)
@@ -156,7 +165,7 @@ def markdown_table(rows: list[Row]) -> str:
     for r in rows:
         p50 = "" if r.p50 is None or math.isnan(r.p50) else f"{r.p50:.4g} {r.unit}"
         if r.std is not None and p50:
-            p50 = f"{r.p50:.4g} ± {r.std:.2g} {r.unit}"
+            p50 = f"{r.p50:.4g} ± {_spread(r.std)} {r.unit}"
         throughput = f"{_readable(r.throughput)} {r.throughput_unit}" if r.throughput else ""
         line = (
             f"| {r.kernel} | {r.mode} | {r.dtype} | {r.x} | {r.provider} | {p50 or r.config} | "

@@ -257,13 +257,20 @@ def plot(rows: list[results.Row], path: str | Path) -> Path:
     return path
 
 
+def case_label(case: tuple[int, int, str]) -> str:
+    """``naive d=16 seq=32``: a case as the progress line shows it (the CSV's ``x`` after the
+    implementation)."""
+    d, seq, impl = case
+    return f"{impl} d={d} seq={seq}"
+
+
 def run(args) -> list[results.Row]:
     head_dims, seq_lens, passes = resolve_defaults(args)
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
     rows = []
     cases = list(itertools.product(head_dims, seq_lens, args.impl))
-    for d, seq, impl in progress(cases, "attention"):
+    for d, seq, impl in progress(cases, "attention", case_label):
         shape = (args.batch_size, 1, seq, d)
         measured = measure(impl, shape, dtype, args.device, passes, args.warmup)  # OOM inside
         free_device_memory(args.device)

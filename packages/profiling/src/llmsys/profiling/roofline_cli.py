@@ -9,7 +9,8 @@
     llmsys-roofline memory --ffn 16384 53248 126 --policy fp32-adamw --strategy fsdp --devices 38
     llmsys-roofline min-devices --ffn 16384 53248 126 --policy fp32-adamw --budget-gb 95
     llmsys-roofline hiding --size xl --strategy fsdp --gpus-per-node 8
-    llmsys-roofline check packages/ddp/benchmarks/results/h200.csv
+    llmsys-roofline check packages/ddp/benchmarks/results/h200.csv \\
+        packages/profiling/benchmarks/results/h100.csv
 
 Hardware is a built-in spec (``--gpu``, default H100) or your own (``--bandwidth-tbs`` and
 ``--tflops``, with ``--min-kernel-us``); units are decimal (1 TB/s = 1e12 bytes/s, 1 GB =
