@@ -184,28 +184,28 @@ static PyObject *make_key(PyObject *head, PyObject *args, PyObject *constexprs, 
         PyObject *arg = PyTuple_GET_ITEM(args, i), *entry;
         if (PyObject_TypeCheck(arg, (PyTypeObject *)tensor_type)) {
             PyObject *dtype = PyObject_GetAttr(arg, dtype_name);
-            if (dtype == NULL) goto error;
+            if (dtype == NULL) goto fail;
             PyObject *ptr = PyObject_CallMethodNoArgs(arg, data_ptr_name);
-            if (ptr == NULL) { Py_DECREF(dtype); goto error; }
+            if (ptr == NULL) { Py_DECREF(dtype); goto fail; }
             ptrs[i] = PyLong_AsUnsignedLongLong(ptr);
             Py_DECREF(ptr);
-            if (PyErr_Occurred()) { Py_DECREF(dtype); goto error; }
+            if (PyErr_Occurred()) { Py_DECREF(dtype); goto fail; }
             entry = PyTuple_Pack(2, dtype, ptrs[i] % 16 == 0 ? Py_True : Py_False);
             Py_DECREF(dtype);
-            if (entry == NULL) goto error;
+            if (entry == NULL) goto fail;
         } else if (PyBool_Check(arg)) {
             entry = Py_NewRef(arg);
         } else if (PyLong_CheckExact(arg)) {
             int overflow;
             long long v = PyLong_AsLongLongAndOverflow(arg, &overflow);
-            if (overflow) goto uncovered; /* past int64: Triton's u64 rules, keyed in Python */
-            if (v == -1 && PyErr_Occurred()) goto error;
+            if (overflow) goto fail; /* past int64 (Triton's u64 rules): keyed in Python */
+            if (v == -1 && PyErr_Occurred()) goto fail;
             entry = PyLong_FromLong(16 + 4 * (v == 1) + 2 * (v % 16 == 0) +
                                     (v >= -2147483648LL && v < 2147483648LL));
         } else if (PyFloat_CheckExact(arg)) {
             entry = Py_NewRef((PyObject *)&PyFloat_Type);
         } else {
-            goto uncovered;
+            goto fail; /* not covered: keyed in Python */
         }
         PyTuple_SET_ITEM(key, n_head + i, entry);
     }
@@ -214,10 +214,7 @@ static PyObject *make_key(PyObject *head, PyObject *args, PyObject *constexprs, 
     while (PyDict_Next(constexprs, &position, &name, &value))
         PyTuple_SET_ITEM(key, i++, Py_NewRef(value));
     return key;
-uncovered:
-    Py_DECREF(key);
-    return NULL;
-error:
+fail: /* an error is set, or (none set) an argument this key does not cover */
     Py_DECREF(key);
     return NULL;
 }
