@@ -15,7 +15,8 @@ one after another:
 - torch FSDP2 (``fully_shard`` per block and the root), float32 or bf16
   (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
 
-Both FSDPs reduce gradients in float32, so "bf16" compares equal settings. Each row carries the
+Strategies take turns in ``--rounds`` rounds (see ``strategies.py``). Both FSDPs reduce
+gradients in float32, so "bf16" compares equal settings. Each row carries the
 accounting model's predicted peak (``llmsys.profiling.infra.memory_model``) beside the measured one.
 ``--largest`` trains a model whose replicated AdamW state does not fit one GPU with FSDP bf16 and
 activation checkpointing for a few steps on one fixed batch and prints the loss falling.
@@ -42,10 +43,11 @@ from llmsys.profiling.infra import accounting, memory_model
 from llmsys.profiling.model import TransformerBlock, TransformerLM
 
 _strategies = harness.load_beside(__file__, "strategies")
-nccl_kernel_ms, release, run_fields = (
+nccl_kernel_ms, release, run_fields, interleaved = (
     _strategies.nccl_kernel_ms,
     _strategies.release,
     _strategies.run_fields,
+    _strategies.interleaved,
 )
 slowest, timed_steps = _strategies.slowest, _strategies.timed_steps
 
@@ -147,7 +149,9 @@ def build(name: str, config: ModelConfig, device, world_size: int):
     return model, optimizer
 
 
-def measure(name: str, args, config: ModelConfig, device, rank: int, world_size: int) -> dict:
+def measure(
+    name: str, args, config: ModelConfig, device, rank: int, world_size: int, profiled: bool = True
+) -> dict:
     model, optimizer = build(name, config, device, world_size)
     torch.manual_seed(1 + rank)  # each rank its own slice of data
     tokens, targets = training.random_batch(config, args.batch_size, args.context_length, device)
@@ -157,7 +161,7 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
     communicates = STRATEGIES[name].wrap is not None and world_size > 1
     measured = {
         "times_ms": [slowest(t, device) * 1e3 for t in times],
-        "nccl_ms": nccl_kernel_ms(step, device) if communicates else 0.0,
+        "nccl_ms": nccl_kernel_ms(step, device) if communicates and profiled else None,
         "peak_gib": slowest(peak, device) if peak is not None else None,
     }
     release(model, optimizer)
@@ -275,8 +279,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", default="xl", help="a profiling model size (default xl)")
     parser.add_argument("--context-length", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per strategy")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--steps", type=int, default=4, help="timed steps per strategy and round (default 4)"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per round first")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds over all strategies, interleaved (default 2)"
+    )
     parser.add_argument("--checkpointing", choices=("off", "on", "both"), default="off",
                         help="per-block activation checkpointing")  # fmt: skip
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=None)
@@ -294,17 +303,23 @@ def main(argv: list[str] | None = None) -> None:
             config = ModelConfig.named(
                 args.size, context_length=args.context_length, ffn="eager", checkpoint=checkpoint
             )
-            measured = {}
-            for name in args.strategies or list(STRATEGIES):
-                measured[name] = training.unless_out_of_memory(
-                    functools.partial(measure, name, args, config, device, rank, world_size),
+
+            def measure_one(name: str, profiled: bool, config=config) -> dict:
+                return training.unless_out_of_memory(
+                    functools.partial(
+                        measure, name, args, config, device, rank, world_size, profiled
+                    ),
                     device,
-                ) or {"times_ms": [float("nan")], "nccl_ms": 0.0, "peak_gib": None}
+                ) or {"times_ms": [float("nan")], "nccl_ms": None, "peak_gib": None}
+
+            def report(name: str, m: dict, checkpoint=checkpoint) -> None:
                 if rank == 0:
-                    m = measured[name]
                     p50 = statistics.median(m["times_ms"])
                     print(f"{name:32s} checkpointing={checkpoint} {p50:8.1f} ms "
                           f"peak {m['peak_gib'] or 0:.1f} GiB", flush=True)  # fmt: skip
+
+            names = args.strategies or list(STRATEGIES)
+            measured = interleaved(measure_one, names, args.rounds, report)
             rows += rows_for(measured, args, config, world_size, device)
     if rank == 0:
         results.write_csv(rows, args.out)

@@ -8,7 +8,8 @@ random tokens. Every strategy runs in this one process group, one after another,
 built model: our four wrappers (bucketed at several sizes and with bf16 on the wire), torch's
 ``DistributedDataParallel`` (the anchor, default 25 MiB buckets, also with its bf16 compression
 hook), and "no communication": each GPU training alone on the same per-GPU batch, the floor any
-strategy can reach.
+strategy can reach. Strategies take turns in ``--rounds`` rounds, so a host whose speed drifts
+over minutes moves them all alike and their ratios hold.
 
 Per strategy: the median step (from a barrier to the slowest rank's end), the exposed
 communication (step minus the no-communication step), the GPU time of NCCL kernels in one
@@ -72,7 +73,7 @@ STRATEGIES: dict[str, Callable | None] = {
         f"bucketed {size} MB bf16": functools.partial(
             DDPBucketed, bucket_size_mb=size, grad_dtype=torch.bfloat16
         )
-        for size in (25, 100)
+        for size in (25, 100, 1000)
     },
 }
 BASELINE = "torch DDP"
@@ -134,7 +135,9 @@ def timed_steps(
     return times, peak
 
 
-def measure(name: str, args, config: ModelConfig, device, rank: int, world_size: int) -> dict:
+def measure(
+    name: str, args, config: ModelConfig, device, rank: int, world_size: int, profiled: bool = True
+) -> dict:
     torch.manual_seed(0)
     model = TransformerLM(config, device=device)
     wrap = STRATEGIES[name]
@@ -149,7 +152,8 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
     step()  # how long the host takes to issue a step: near the step time, the host is the limit
     host_ms = (time.perf_counter() - started) * 1e3
     training.synchronize(device)
-    comm = nccl_kernel_ms(step, device) if wrap is not None and world_size > 1 else 0.0
+    communicates = wrap is not None and world_size > 1
+    comm = nccl_kernel_ms(step, device) if communicates and profiled else None
     measured = {
         "times_ms": [slowest(t, device) * 1e3 for t in times],
         "nccl_ms": comm,
@@ -161,6 +165,44 @@ def measure(name: str, args, config: ModelConfig, device, rank: int, world_size:
     del model, optimizer, step
     training.free_device_memory(device)
     return measured
+
+
+def combine(runs: list[dict]) -> dict:
+    """One strategy's measurements over several rounds: every step's time, the peak's maximum
+    and the medians of the per-round numbers."""
+
+    def median(key):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    peaks = [r["peak_gib"] for r in runs if r["peak_gib"] is not None]
+    return {
+        **runs[0],
+        "times_ms": [t for r in runs for t in r["times_ms"]],
+        "nccl_ms": median("nccl_ms"),
+        "host_ms": median("host_ms"),
+        "peak_gib": max(peaks) if peaks else None,
+    }
+
+
+def interleaved(
+    measure_one: Callable[[str, bool], dict],
+    names: list[str],
+    rounds: int,
+    report: Callable[[str, dict], None],
+) -> dict[str, dict]:
+    """Measure every strategy in ``rounds`` rounds, each round all strategies one after another.
+
+    A host whose speed drifts over minutes (a shared machine, clocks, other tenants) moves all
+    strategies alike, so their ratios hold where back-to-back blocks per strategy would not.
+    The NCCL kernel profile runs in the first round only."""
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        for name in names:
+            gc.collect()
+            runs[name].append(measure_one(name, round_index == 0))
+            report(name, runs[name][-1])
+    return {name: combine(measured) for name, measured in runs.items()}
 
 
 def release(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -233,8 +275,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-length", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
     parser.add_argument("--dtype", choices=training.DTYPES, default="bf16")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per strategy")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy and round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round first")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over all strategies, interleaved (default 3)")  # fmt: skip
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=None)
     parser.add_argument("--out", type=Path, required=True, help="CSV written by rank 0")
     args = parser.parse_args(argv)
@@ -244,16 +288,18 @@ def main(argv: list[str] | None = None) -> None:
     names = args.strategies or list(STRATEGIES)
     names = ["no communication"] + [n for n in names if n != "no communication"]
     if device.type != "cuda":  # torch's hook needs NCCL; ours runs on gloo too
-        names.remove("torch DDP bf16 hook")
-    measured = {}
-    for name in names:
-        gc.collect()
-        measured[name] = measure(name, args, config, device, rank, world_size)
+        names = [n for n in names if n != "torch DDP bf16 hook"]
+
+    def report(name: str, m: dict) -> None:
         if rank == 0:
-            m = measured[name]
             left = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0
             print(f"{name:24s} {statistics.median(m['times_ms']):8.1f} ms, peak "
                   f"{m['peak_gib'] or 0:.1f} GiB, {left:.1f} GiB left", flush=True)  # fmt: skip
+
+    def measure_one(name: str, profiled: bool) -> dict:
+        return measure(name, args, config, device, rank, world_size, profiled)
+
+    measured = interleaved(measure_one, names, args.rounds, report)
     if rank == 0:
         rows = rows_for(measured, args, config, world_size, device)
         results.write_csv(rows, args.out)

@@ -37,14 +37,15 @@ def commands(device: str, quick: bool) -> list[tuple[str, int, list[str]]]:
              "--rounds", "3" if small else "5"]) for n in gloo_ranks]  # fmt: skip
     if gpus >= 2:
         runs += [("all_reduce.py", n, ["--backend", "nccl"]) for n in (2, 4, 6, 8) if n <= gpus]
-        runs.append(("strategies.py", 2, ["--size", "tiny" if quick else "xl"]))
+        once = ["--rounds", "1"] if quick else []
+        runs.append(("strategies.py", 2, ["--size", "tiny" if quick else "xl", *once]))
         for size in ["tiny"] if quick else ["xl", "2.7B"]:
-            runs.append(("fsdp.py", 2, ["--size", size, "--checkpointing", "both"]))
+            runs.append(("fsdp.py", 2, ["--size", size, "--checkpointing", "both", *once]))
         if not quick:
             runs.append(("fsdp.py", 2, ["--largest", "10B", "--steps", "4"]))
     elif gpus == 0:
         tiny = ["--size", "tiny", "--context-length", "32", "--batch-size", "2"]
-        few = ["--steps", "2", "--warmup", "1"]
+        few = ["--steps", "2", "--warmup", "1", "--rounds", "1"]
         runs.append(("strategies.py", 2, [*tiny, "--dtype", "fp32", *few]))
         runs.append(("fsdp.py", 2, [*tiny, *few, "--checkpointing", "both"]))
     return runs

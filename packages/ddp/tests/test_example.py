@@ -53,7 +53,7 @@ def test_fsdp_benchmark_runs_every_strategy_on_two_cpu_ranks(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-port", str(free_port()), str(EXAMPLE.parents[1] / "benchmarks" / "fsdp.py"),
         "--size", "tiny", "--context-length", "16", "--batch-size", "2", "--steps", "1",
-        "--warmup", "1", "--checkpointing", "on", "--out", str(out),
+        "--warmup", "1", "--rounds", "1", "--checkpointing", "on", "--out", str(out),
     )  # fmt: skip
     rows = results.read_rows(out)
     assert [r.provider for r in rows] == [

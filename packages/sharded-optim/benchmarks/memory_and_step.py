@@ -362,6 +362,7 @@ def build_rows(measured: dict, predicted: dict, args, device) -> tuple[list, lis
         "x": f"{args.size} ctx={args.context_length} batch={args.batch_size}/rank x{world_size}",
         "dtype": args.dtype,
         "gpu": results.device_name(device),
+        "version": torch.__version__,
         "timestamp": results.timestamp(),
     }
     tokens = world_size * args.batch_size * args.context_length

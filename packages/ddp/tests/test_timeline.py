@@ -1,0 +1,39 @@
+"""The timeline breakdown's interval arithmetic, on a hand-made trace."""
+
+from pathlib import Path
+
+from llmsys.bench_harness import load_beside
+
+timeline = load_beside(Path(__file__).parents[1] / "benchmarks" / "timeline.py", "timeline")
+
+
+def kernel(name, start, duration):
+    return {"cat": "kernel", "name": name, "ts": start, "dur": duration}
+
+
+def test_breakdown_separates_compute_nccl_overlap_and_idle():
+    trace = {
+        "traceEvents": [
+            {"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 0, "dur": 500},
+            {"cat": "cpu_op", "ph": "X", "name": "step end", "ts": 2500, "dur": 500},
+            kernel("sm90_gemm", 1000, 2000),  # compute 1000-3000
+            kernel("elementwise", 2500, 1000),  # compute to 3500 (overlaps the gemm)
+            kernel("ncclDevKernel_AllReduce", 3000, 1500),  # nccl 3000-4500
+            kernel("ncclDevKernel_AllReduce", 6000, 1000),  # nccl 6000-7000
+            {"cat": "gpu_memcpy", "name": "Memcpy", "ts": 9000, "dur": 10},  # neither
+        ]
+    }
+    parts = timeline.breakdown(trace)
+    assert parts["span_ms"] == 7.0  # from the first CPU op (0) to the last kernel (7000 us)
+    assert parts["host_issue_ms"] == 3.0
+    assert parts["compute_busy_ms"] == 2.5
+    assert parts["nccl_busy_ms"] == 2.5
+    assert parts["overlap_ms"] == 0.5
+    assert parts["gpu_idle_ms"] == 7.0 - 4.5  # covered: 1000-4500 and 6000-7000
+    assert (parts["kernels"], parts["nccl_kernels"]) == (4, 2)
+
+
+def test_merged_and_intersection():
+    assert timeline.merged([(5, 6), (0, 2), (1, 3)]) == [[0, 3], [5, 6]]
+    assert timeline.intersection([[0, 3], [5, 6]], [[2, 5.5]]) == 1.5
+    assert timeline.intersection([], [[0, 1]]) == 0.0
