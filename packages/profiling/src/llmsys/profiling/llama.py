@@ -70,9 +70,7 @@ PARTS = ("inference", "training")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--part", nargs="+", choices=PARTS, default=list(PARTS), help="what to run (both)"
-    )
+    parser.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
     parser.add_argument(
         "--quick", action="store_true", help="a tiny Llama at tiny sizes (a smoke test)"
     )
@@ -82,17 +80,17 @@ def add_arguments(parser) -> None:
         help="training eagerly, under torch.compile, or both (default: both on CUDA, off on CPU)",
     )
     parser.add_argument(
-        "--compile-mode", default="default", help="torch.compile mode for training (default)"
+        "--compile-mode",
+        default="default",
+        help="torch.compile mode for training (default: 'default')",
     )
     parser.add_argument(
         "--train-shape",
         nargs="+",
-        help="training batches as BxT (default 4x2048 1x8192; --quick: 2x32)",
+        help="training batches as BxT (default: 4x2048 1x8192; with --quick, 2x32)",
     )
-    parser.add_argument(
-        "--warmup", type=non_negative_int, default=3, help="untimed calls per case (3)"
-    )
-    parser.add_argument("--reps", type=positive_int, default=20, help="timed calls per case (20)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed calls per case")
+    parser.add_argument("--reps", type=positive_int, default=20, help="timed calls per case")
 
 
 def _transformers():
