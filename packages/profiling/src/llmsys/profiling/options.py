@@ -118,7 +118,7 @@ def non_negative_int(text: str) -> int:
 
 
 def add_model_arguments(
-    parser: argparse.ArgumentParser, *, contexts=(1024,), cpu_contexts=(128,)
+    parser: argparse.ArgumentParser, *, contexts=(1024,), sizes=("small",), cpu_contexts=(128,)
 ) -> None:
     """Sizes, contexts, batch, precision, presets and part switches (lists sweep).
 
@@ -126,12 +126,14 @@ def add_model_arguments(
     ``cpu_contexts`` (``fill_device_defaults`` sets them once the device is known).
     """
     parser.epilog = PRESETS_HELP
-    on_cuda, on_cpu = (" ".join(map(str, values)) for values in (contexts, cpu_contexts))
+    on_cuda, on_cpu, cuda_sizes = (
+        " ".join(map(str, values)) for values in (contexts, cpu_contexts, sizes)
+    )
     parser.add_argument(
         "--size",
         nargs="+",
         choices=list(SIZES),
-        help="model sizes (default: small on cuda, tiny on cpu)",
+        help=f"model sizes (default: {cuda_sizes} on cuda, tiny on cpu)",
     )
     parser.add_argument(
         "--context-length",
@@ -141,7 +143,7 @@ def add_model_arguments(
     )
     parser.set_defaults(
         device_defaults={
-            "cuda": {"size": ["small"], "context_length": list(contexts)},
+            "cuda": {"size": list(sizes), "context_length": list(contexts)},
             "cpu": {"size": ["tiny"], "context_length": list(cpu_contexts)},
         }
     )
