@@ -128,3 +128,28 @@ def test_markdown_table_prints_the_spread_without_scientific_notation():
         table = harness.markdown_table([dataclasses.replace(base, std=std)])
         assert shown in table, (std, table)
         assert "e+" not in table and "e-" not in table
+
+
+def test_markdown_table_shows_small_memory_in_mib_and_large_in_gib():
+    import dataclasses
+
+    base = harness.row("e2e/step", "sdpa+eager", "train", "tiny", torch.float32, (1, 2, 3))
+    small = [dataclasses.replace(base, memory_gib=gib) for gib in (0.0309, 0.05, None)]
+    table = harness.markdown_table(small)
+    assert "| memory MiB |" in table and "| 31.6 |" in table and "| 51.2 |" in table
+    table = harness.markdown_table([*small, dataclasses.replace(base, memory_gib=1.5)])
+    assert "| memory GiB |" in table and "| 0.03 |" in table and "| 1.50 |" in table
+
+
+def test_a_table_without_times_shows_its_values_in_full_and_its_config_by_name():
+    nan = float("nan")
+    sums = [
+        harness.Row("accumulate", way, "sum", "1000 x 0.01", "float32", nan, nan, nan, unit="",
+                    throughput=total, throughput_unit="value", config=f"abs_error={error}")
+        for way, total, error in [("fp32", 10.000133514404297, 0.000133514),
+                                  ("fp16", 10.00213623046875, 0.00213623)]
+    ]  # fmt: skip
+    table = harness.markdown_table(sums)
+    assert table.splitlines()[0] == "| kernel | mode | dtype | case | provider | value | config |"
+    assert "| fp32 | 10.00013 | abs_error=0.000133514 |" in table
+    assert "| fp16 | 10.00214 | abs_error=0.00213623 |" in table

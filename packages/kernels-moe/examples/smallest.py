@@ -3,6 +3,8 @@
 import torch
 
 import llmsys.kernels_moe as km
+from llmsys.kernels_moe.kernels import moe_permute_kernel
+from llmsys.triton_launch import kernel_path
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 x = torch.randn(4, 8, device=device, requires_grad=True)  # 4 tokens, hidden 8
@@ -19,4 +21,8 @@ weights = torch.softmax(torch.randn(4, 2, device=device), dim=-1)
 y = km.moe_unpermute(grouped, row_index, weights)  # sum_k w[t, k] * grouped[row_index[t, k]]
 y.sum().backward()
 torch.testing.assert_close(y, x * weights.sum(1, keepdim=True))
-print("moe permute ok:", tuple(grouped.shape), "rows on", device, "| version", km.__version__)
+ran = kernel_path(moe_permute_kernel, device)  # Triton, interpreted Triton, or the fallback
+print(
+    f"moe permute ok: {tuple(grouped.shape)} rows on {device}",
+    f"| ran: {ran} | version {km.__version__}",
+)

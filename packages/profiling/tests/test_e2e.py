@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmsys.bench_harness import results
-from llmsys.profiling import cli, e2e, training
+from llmsys.profiling import cli, e2e, options, progress, training
 
 TINY_ARGS = ["--device", "cpu", "--size", "tiny", "--context-length", "16", "--batch-size", "2"]
 
@@ -77,6 +77,42 @@ def test_every_subcommand_has_help(capsys):
             cli.main([name, "--help"] if name else ["--help"])
         assert exit_info.value.code == 0
         assert "usage: llmsys-bench" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["e2e", "memory", "profile"])
+def test_model_subcommands_help_shows_defaults_and_explains_presets(name, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([name, "--help"])
+    raw = capsys.readouterr().out
+    out = " ".join(raw.split())  # argparse wraps the options' help
+    assert "--size" in out and "(default: small on cuda, tiny on cpu)" in out
+    assert "sequences per step (default: 4)" in out
+    assert "(default: None)" not in out and "['" not in out  # no Python reprs
+    assert f"folder for {name}.csv (each run overwrites it)" in out
+    presets = raw.split("presets (--preset")[1]  # the epilog explains each preset
+    assert [line.split()[0] for line in presets.splitlines()[1:] if line[2:3] != " "] == [
+        *options.PRESETS,
+        "(none)",
+    ]
+    assert "the provider `sdpa+eager`" in out  # what runs with no preset
+
+
+def test_sizes_and_contexts_default_by_device():
+    parser = cli.build_parser()
+    expected = {"cpu": (["tiny"], [128]), "cuda": (["small"], [1024])}
+    for device, (sizes, contexts) in expected.items():
+        args = parser.parse_args(["e2e", "--device", device])
+        options.fill_device_defaults(args)
+        assert (args.size, args.context_length) == (sizes, contexts)
+    args = parser.parse_args(["memory", "--device", "cpu", "--size", "small"])
+    options.fill_device_defaults(args)
+    assert (args.size, args.context_length) == (["small"], [32, 64])  # given values are kept
+
+
+def test_progress_names_a_case_when_it_starts(capsys):
+    cases = progress.progress(["first case", "second case"], "e2e", lambda case: case.upper())
+    assert next(cases) == "first case"
+    assert "FIRST CASE" in capsys.readouterr().err  # before the case has run
 
 
 @pytest.mark.parametrize(

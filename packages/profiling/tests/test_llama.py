@@ -2,9 +2,11 @@
 without CUDA (int8 inference against fp16, its logits error, training with our attention and
 SwiGLU against stock), its CSV and its plot."""
 
+import inspect
 import math
 
 import pytest
+from torch import nn
 
 from llmsys.bench_harness import results
 from llmsys.profiling import cli, llama
@@ -14,7 +16,7 @@ pytest.importorskip(
 )
 
 
-def test_quick_run_writes_every_case_its_errors_and_a_plot(tmp_path, capsys):
+def test_quick_run_writes_every_case_its_errors_and_a_plot(tmp_path, capsys, recwarn):
     argv = ["llama", "--quick", "--device", "cpu", "--warmup", "0", "--reps", "1"]
     assert cli.main([*argv, "--out", str(tmp_path)]) == 0
     rows = results.read_rows(tmp_path / "llama.csv")
@@ -40,6 +42,23 @@ def test_quick_run_writes_every_case_its_errors_and_a_plot(tmp_path, capsys):
     assert 0 < int8 < 0.1 and 0 < reference < 0.1 and math.isclose(int8, reference, rel_tol=0.5)
     assert (tmp_path / "llama.png").stat().st_size > 0
     assert "| llama/train-step |" in capsys.readouterr().out
+    # the KV cache goes by the keyword this transformers takes, not a deprecated one
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)]
+
+
+def test_the_cache_keyword_is_the_one_forward_takes():
+    class Renamed(nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None): ...
+
+    class Older(nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None): ...
+
+    assert llama.cache_keyword(Renamed()) == "cache"
+    assert llama.cache_keyword(Older()) == "past_key_values"
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**llama.TINY))  # this transformers' own keyword
+    assert llama.cache_keyword(model) in inspect.signature(model.forward).parameters
 
 
 def test_the_readme_example_all_three_kernels_in_one_model():

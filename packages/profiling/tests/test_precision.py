@@ -69,6 +69,7 @@ def test_cli_writes_both_tables(tmp_path, capsys):
     assert cli.main(["precision", "--device", "cpu", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "fp16 += fp16" in printed and "layernorm output" in printed
+    assert "| fp32 += fp32 | 10.00013 | abs_error=0.000133514 |" in printed  # not rounded to 10
     rows = results.read_rows(tmp_path / "precision.csv")
 
     sums = {r.provider: r for r in rows if r.kernel == "accumulate"}

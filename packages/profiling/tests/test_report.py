@@ -97,3 +97,12 @@ def test_a_row_without_a_time_reads_back_and_shows_an_empty_cell(tmp_path):
     table = results.markdown_table([skipped, row("attention", "ours", mode="fwd")])
     assert "| attention | fwd | float32 | 1x1x128x16 | sdpa_flash |  |" in table
     assert "2 ms" in table
+
+
+def test_each_run_says_when_it_overwrites_the_previous_csv(tmp_path, capsys):
+    rows = [row("transformer_lm", "eager")]
+    path = cli.emit(rows, tmp_path, "e2e")
+    assert path == tmp_path / "e2e.csv" and "replacing" not in capsys.readouterr().out
+    cli.emit(rows + rows, tmp_path, "e2e")
+    assert f"wrote {path} (replacing the previous run's" in capsys.readouterr().out
+    assert len(results.read_rows(path)) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -108,13 +109,27 @@ def test_check_end_to_end_rows(capsys):
     assert "measured/predicted" in out and ">2x off" in out and "h100.csv" in out
 
 
-def test_the_readmes_check_command_runs_from_the_repo_root(capsys, monkeypatch):
-    readme = (PACKAGES / "profiling" / "README.md").read_text()
-    [line] = [line for line in readme.splitlines() if line.startswith("llmsys-roofline check ")]
-    argv = line.split("#")[0].split()[1:]
+def _examples(text: str) -> str:
+    """The block of ``llmsys-roofline`` examples in ``text``, unindented."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "llmsys-roofline hardware" in line)
+    end = next(i for i in range(start, len(lines)) if lines[i].strip() in ("", "```"))
+    return textwrap.dedent("\n".join(lines[start:end]))
+
+
+def test_the_readme_and_help_give_the_same_examples_and_each_runs_from_the_repo_root(
+    capsys, monkeypatch
+):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    examples = _examples(capsys.readouterr().out)
+    assert examples == _examples((PACKAGES / "profiling" / "README.md").read_text())
+    assert "# H100 (the SXM part), H100 PCIe, H100 NVL" in examples  # the hardware rows' names
     monkeypatch.chdir(PACKAGES.parent)
-    out = run(argv, capsys)
-    assert out.count("rows modelled") == len(argv) - 1
+    commands = [line.split("#")[0].split() for line in examples.replace("\\\n", " ").splitlines()]
+    assert len(commands) == 9
+    for argv in commands:
+        assert argv[0] == "llmsys-roofline" and run(argv[1:], capsys).strip(), argv
 
 
 def _kernel_row(unit: str, dtype: str, throughput: float, p50_ms: float) -> results.Row:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from llmsys.triton_launch import launch
+from llmsys.triton_launch import kernel_path, launch
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     print("no GPU and TRITON_INTERPRET is not 1: nothing to launch on")
@@ -31,4 +31,4 @@ out = torch.empty_like(x)
 for _ in range(2):  # the first call compiles, the second calls the compiled kernel
     launch(add_one, triton.cdiv(x.numel(), 256), (x, out, x.numel()), {"BLOCK": 256})
 torch.testing.assert_close(out, x + 1)
-print("triton-launch ok on", device)
+print("triton-launch ok on", device, "| ran:", kernel_path(add_one, device))

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmsys.triton_launch import launch, native, runs_under_interpreter
+from llmsys.triton_launch import kernel_path, launch, native, runs_under_interpreter
 from llmsys.triton_launch.launcher import _compiled, _key
 
 
@@ -100,6 +100,14 @@ def test_constexprs_out_of_signature_order_are_refused(device):
 
 def test_cpu_kernels_run_under_the_interpreter(device):
     assert runs_under_interpreter(scale_add) == (device == "cpu")
+
+
+def test_kernel_path_names_the_path_a_package_takes(device):
+    assert kernel_path(scale_add, "cuda") == "Triton kernel"
+    interpreted = device == "cpu"  # the tests run the kernels under TRITON_INTERPRET=1 on a CPU
+    expected = "Triton kernel under TRITON_INTERPRET=1" if interpreted else "eager fallback"
+    assert kernel_path(scale_add, torch.device("cpu")) == expected
+    assert kernel_path(scale_add.fn, "cpu") == "eager fallback"  # not decorated by the interpreter
 
 
 @pytest.mark.gpu

@@ -151,19 +151,31 @@ def _spread(value: float) -> str:
     return f"{round(value, 1 - exponent):.{max(1 - exponent, 0)}f}"
 
 
+def _timed(row: Row) -> bool:
+    return row.p50 is not None and not math.isnan(row.p50)
+
+
 def markdown_table(rows: list[Row]) -> str:
-    """One line per row; a ``±std`` after p50 and a memory column where rows carry them."""
-    with_memory = any(r.memory_gib is not None for r in rows)
+    """One line per row; a ``±std`` after p50 and a memory column where rows carry them (in MiB
+    when every value is under 1 GiB, so small models do not all read 0.01-0.05 GiB). Rows with
+    no time at all (values such as a sum, in ``throughput``) get ``value`` and ``config`` columns
+    instead, the value at 7 significant digits."""
+    if rows and not any(_timed(r) for r in rows):
+        return _values_table(rows)
+    memory = [
+        r.memory_gib for r in rows if r.memory_gib is not None and not math.isnan(r.memory_gib)
+    ]
+    in_mib = bool(memory) and max(memory) < 1
     head = (
         "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline | vs baseline |"
     )
     rule = "|---|---|---|---|---|---:|---:|---:|---:|"
     lines = [
-        head + (" memory GiB |" if with_memory else ""),
-        rule + ("---:|" if with_memory else ""),
+        head + ((" memory MiB |" if in_mib else " memory GiB |") if memory else ""),
+        rule + ("---:|" if memory else ""),
     ]
     for r in rows:
-        p50 = "" if r.p50 is None or math.isnan(r.p50) else f"{r.p50:.4g} {r.unit}"
+        p50 = f"{r.p50:.4g} {r.unit}" if _timed(r) else ""
         if r.std is not None and p50:
             p50 = f"{r.p50:.4g} ± {_spread(r.std)} {r.unit}"
         throughput = f"{_readable(r.throughput)} {r.throughput_unit}" if r.throughput else ""
@@ -172,7 +184,24 @@ def markdown_table(rows: list[Row]) -> str:
             f"{throughput} | {_number(r.roofline_fraction, '.0%')} | "
             f"{_number(r.speedup_vs_baseline, '.2f') + ('x' if r.speedup_vs_baseline else '')} |"
         )
-        lines.append(line + (f" {_number(r.memory_gib, '.2f')} |" if with_memory else ""))
+        if memory:
+            mib = None if r.memory_gib is None else r.memory_gib * 1024
+            line += f" {_number(mib, '.1f') if in_mib else _number(r.memory_gib, '.2f')} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _values_table(rows: list[Row]) -> str:
+    lines = [
+        "| kernel | mode | dtype | case | provider | value | config |",
+        "|---|---|---|---|---|---:|---|",
+    ]
+    for r in rows:
+        unit = "" if r.throughput_unit in ("", "value") else f" {r.throughput_unit}"
+        value = "" if r.throughput is None else f"{r.throughput:.7g}{unit}"
+        lines.append(
+            f"| {r.kernel} | {r.mode} | {r.dtype} | {r.x} | {r.provider} | {value} | {r.config} |"
+        )
     return "\n".join(lines)
 
 

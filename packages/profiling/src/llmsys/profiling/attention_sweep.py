@@ -58,27 +58,29 @@ CPU_DEFAULTS = {"head_dim": [16], "seq_len": [16, 32], "passes": 2}
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--batch-size", type=positive_int, default=8, help="batch (8)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="batch")
     parser.add_argument(
         "--head-dim",
         nargs="+",
         type=positive_int,
-        help="head dims (default 16 32 64 128; on cpu 16)",
+        help="head dims (default: 16 32 64 128 on cuda, 16 on cpu)",
     )
     parser.add_argument(
         "--seq-len",
         nargs="+",
         type=positive_int,
-        help="sequence lengths (default 256 1024 4096 8192 16384; on cpu 16 32)",
+        help="sequence lengths (default: 256 1024 4096 8192 16384 on cuda, 16 32 on cpu)",
     )
     parser.add_argument(
-        "--passes", type=positive_int, help="timed passes per mode (default 100; on cpu 2)"
+        "--passes", type=positive_int, help="timed passes per mode (default: 100 on cuda, 2 on cpu)"
     )
     parser.add_argument(
-        "--warmup", type=non_negative_int, default=3, help="untimed fwd + bwd passes first (3)"
+        "--warmup", type=non_negative_int, default=3, help="untimed fwd + bwd passes first"
     )
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="q, k, v dtype")
-    parser.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument(
+        "--impl", nargs="+", default=list(IMPLS), choices=IMPLS, help="implementations to compare"
+    )
 
 
 def resolve_defaults(args) -> tuple[list[int], list[int], int]:

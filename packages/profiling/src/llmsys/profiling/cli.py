@@ -9,7 +9,8 @@
     llmsys-bench report llmsys-bench-results/ --out REPORT.md
 
 Every subcommand prints a Markdown table and writes ``<out>/<subcommand>.csv`` in the shared
-results schema (``llmsys.bench_harness.results``); ``--help`` on each lists its options.
+results schema (``llmsys.bench_harness.results``; each run overwrites it: ``--out`` picks another
+folder); ``--help`` on each lists its options and their defaults.
 """
 
 from __future__ import annotations
@@ -40,8 +41,19 @@ def subcommand(name: str):
     return importlib.import_module(f"{__package__}.{SUBCOMMANDS[name]}")
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Descriptions as written, and every option's default shown."""
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and each option's default as ``(default: ...)``, unless its help
+    says it already or there is none to show (None, or off for a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        # BooleanOptionalAction appends its own "(default: %(default)s)" on some Pythons.
+        help = (action.help or "").replace(" (default: %(default)s)", "")
+        default = action.default
+        nothing = default is None or default is False or default is argparse.SUPPRESS
+        if "default" in help or not action.option_strings or nothing:
+            return help
+        shown = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{help} (default: {shown.replace('%', '%%')})"
 
 
 def _plain(text: str | None) -> str | None:
@@ -75,17 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
                 "--out",
                 type=Path,
                 default=Path("llmsys-bench-results"),
-                help="folder for the CSV and any plots or traces",
+                help=f"folder for {name}.csv (each run overwrites it) and any plots or traces",
             )
         module.add_arguments(sub)
     return parser
 
 
 def emit(rows: list[results.Row], out: Path, name: str) -> Path:
-    """Print ``rows`` as a Markdown table and write them to ``out/<name>.csv``."""
+    """Print ``rows`` as a Markdown table and write them to ``out/<name>.csv``, saying when that
+    replaces an earlier run's file."""
     print(results.markdown_table(rows))
-    path = results.write_csv(rows, Path(out) / f"{name}.csv")
-    print(f"\nwrote {path}")
+    path = Path(out) / f"{name}.csv"
+    replaced = path.exists()
+    results.write_csv(rows, path)
+    note = " (replacing the previous run's; --out DIR keeps runs apart)" if replaced else ""
+    print(f"\nwrote {path}{note}")
     return path
 
 

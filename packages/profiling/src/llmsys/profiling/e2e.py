@@ -26,7 +26,14 @@ from llmsys.bench_harness import results
 
 from .infra import accounting
 from .model import TransformerLM, use_int8_linears
-from .options import Variant, add_model_arguments, non_negative_int, positive_int, variants
+from .options import (
+    Variant,
+    add_model_arguments,
+    fill_device_defaults,
+    non_negative_int,
+    positive_int,
+    variants,
+)
 from .progress import progress
 from .training import (
     autocast,
@@ -50,12 +57,12 @@ def add_arguments(parser) -> None:
         nargs="+",
         default=["train-step"],
         choices=MODES,
-        help="forward (no_grad), forward-backward, or train-step (with the optimizer; default)",
+        help="forward (no_grad), forward-backward, or train-step (with the optimizer)",
     )
     parser.add_argument(
-        "--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed steps first (5)"
+        "--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed steps first"
     )
-    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps (10)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps")
 
 
 class Runner:
@@ -199,6 +206,7 @@ def case_rows(
 
 
 def run(args) -> list[results.Row]:
+    fill_device_defaults(args)
     cases = [
         (size, context, mode, dtype, warmup, variant)
         for size, context, mode, dtype, warmup in itertools.product(

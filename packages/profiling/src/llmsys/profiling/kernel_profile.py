@@ -1,7 +1,8 @@
 """Where a train step's time goes: the kernels of each profiler range, and the GPU's idle time.
 
-Each case (one model variant, size, context and precision; default small at context 256, bf16)
-runs ``--warmup`` train steps, then ``--steps`` steps three times over:
+Each case (one model variant, size, context and precision; default small at context 256 on
+cuda, tiny at 64 on cpu; bf16) runs ``--warmup`` train steps, then ``--steps`` steps three times
+over:
 1. profiler off, each step timed with the wall clock: the ``step`` / ``wall`` row, ms per step.
    Every phase ends with a synchronize, so this is the whole step as the host sees it.
 2. only with ``--nvtx`` (on by itself under Nsight Systems, which sets
@@ -50,7 +51,13 @@ from torch.profiler import ProfilerActivity, profile
 from llmsys.bench_harness import results
 
 from .e2e import Runner
-from .options import add_model_arguments, non_negative_int, positive_int, variants
+from .options import (
+    add_model_arguments,
+    fill_device_defaults,
+    non_negative_int,
+    positive_int,
+    variants,
+)
 from .progress import progress
 from .training import unless_out_of_memory
 
@@ -70,19 +77,15 @@ NAME_WIDTH = 80
 
 
 def add_arguments(parser) -> None:
-    add_model_arguments(parser, contexts=(256,))
+    add_model_arguments(parser, contexts=(256,), cpu_contexts=(64,))
     parser.add_argument(
         "--warmup",
         type=non_negative_int,
         default=5,
-        help="untimed steps first (5: CUDA-graph modes record their graphs in the first three)",
+        help="untimed steps first (CUDA-graph modes record their graphs in the first three)",
     )
-    parser.add_argument(
-        "--steps", type=positive_int, default=3, help="steps timed and profiled (3)"
-    )
-    parser.add_argument(
-        "--top", type=positive_int, default=10, help="kernels listed per range (10)"
-    )
+    parser.add_argument("--steps", type=positive_int, default=3, help="steps timed and profiled")
+    parser.add_argument("--top", type=positive_int, default=10, help="kernels listed per range")
     parser.add_argument(
         "--nvtx", action="store_true", help="also run the steps under emit_nvtx (see above)"
     )
@@ -221,6 +224,7 @@ def case_rows(found, wall, steps, common, on_cuda, top) -> list[results.Row]:
 
 
 def run(args) -> list[results.Row]:
+    fill_device_defaults(args)
     cases = [
         (size, context, dtype, variant)
         for size, context, dtype in itertools.product(args.size, args.context_length, args.dtype)

@@ -28,6 +28,7 @@ tiny sizes, eagerly only on a CPU: a smoke test. Needs transformers.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import time
 from collections.abc import Callable
@@ -70,9 +71,7 @@ PARTS = ("inference", "training")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--part", nargs="+", choices=PARTS, default=list(PARTS), help="what to run (both)"
-    )
+    parser.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
     parser.add_argument(
         "--quick", action="store_true", help="a tiny Llama at tiny sizes (a smoke test)"
     )
@@ -82,17 +81,17 @@ def add_arguments(parser) -> None:
         help="training eagerly, under torch.compile, or both (default: both on CUDA, off on CPU)",
     )
     parser.add_argument(
-        "--compile-mode", default="default", help="torch.compile mode for training (default)"
+        "--compile-mode",
+        default="default",
+        help="torch.compile mode for training (default: 'default')",
     )
     parser.add_argument(
         "--train-shape",
         nargs="+",
-        help="training batches as BxT (default 4x2048 1x8192; --quick: 2x32)",
+        help="training batches as BxT (default: 4x2048 1x8192; with --quick, 2x32)",
     )
-    parser.add_argument(
-        "--warmup", type=non_negative_int, default=3, help="untimed calls per case (3)"
-    )
-    parser.add_argument("--reps", type=positive_int, default=20, help="timed calls per case (20)")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed calls per case")
+    parser.add_argument("--reps", type=positive_int, default=20, help="timed calls per case")
 
 
 def _transformers():
@@ -114,6 +113,13 @@ def build_llama(sizes: dict, device, dtype: torch.dtype, attn: str = "sdpa") -> 
             config, attn_implementation=attn, dtype=dtype
         )
     return model
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword ``model``'s forward takes its KV cache by, read from its signature: ``cache``
+    where transformers has renamed it (it then deprecates the old name), else
+    ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def time_calls(fn: Callable[[], object], warmup: int, reps: int, device) -> list[float]:
@@ -218,13 +224,14 @@ def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
         model = models[name]
         if phase == "prefill":
             return lambda: model(prompt, use_cache=False, logits_to_keep=1)
+        key = cache_keyword(model)
         if name not in caches:  # prefilled once; each step then writes the next slot
             caches[name] = transformers.StaticCache(
                 config=model.config, max_cache_len=cached + steps
             )
-            model(history, past_key_values=caches[name], use_cache=True)
-        token = history[:, -1:]
-        return lambda: model(token, past_key_values=caches[name], use_cache=True)
+            model(history, **{key: caches[name]}, use_cache=True)
+        token, kv = history[:, -1:], {key: caches[name]}
+        return lambda: model(token, **kv, use_cache=True)
 
     label = f"{params / 1e9:.2f}B params, {sizes['num_hidden_layers']} layers"
     for phase, name, mode in progress(cases, "llama inference", lambda c: " ".join(c)):

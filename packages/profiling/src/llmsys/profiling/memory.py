@@ -1,9 +1,10 @@
 """Peak memory of the Transformer LM: an inference forward and a full train step.
 
-Sweeps sizes x context lengths (default small at 128 256 512) x precision (default fp32 and
-bf16 autocast) x activation checkpointing. Checkpointing runs both ways by default;
-``--checkpoint`` or ``--no-checkpoint`` keeps one. ``forward`` runs under ``torch.no_grad()``,
-where checkpointing changes nothing, so it is measured once per case, without it.
+Sweeps sizes x context lengths (default small at 128 256 512 on cuda, tiny at 32 64 on cpu) x
+precision (default fp32 and bf16 autocast) x activation checkpointing. Checkpointing runs both
+ways by default; ``--checkpoint`` or ``--no-checkpoint`` keeps one. ``forward`` runs under
+``torch.no_grad()``, where checkpointing changes nothing, so it is measured once per case,
+without it.
 
 Each case builds a fresh model, runs one warm-up step (which also allocates the optimizer state),
 then measures one step:
@@ -41,7 +42,13 @@ from torch.profiler import ProfilerActivity, profile
 from llmsys.bench_harness import results
 
 from .e2e import Runner
-from .options import add_model_arguments, non_negative_int, positive_int, variants
+from .options import (
+    add_model_arguments,
+    fill_device_defaults,
+    non_negative_int,
+    positive_int,
+    variants,
+)
 from .progress import progress
 from .training import unless_out_of_memory
 
@@ -51,7 +58,7 @@ TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def add_arguments(parser) -> None:
-    add_model_arguments(parser, contexts=(128, 256, 512))
+    add_model_arguments(parser, contexts=(128, 256, 512), cpu_contexts=(32, 64))
     # None = both ways; --checkpoint / --no-checkpoint keep one.
     parser.set_defaults(dtype=["fp32", "bf16"], checkpoint=None)
     parser.add_argument(
@@ -62,11 +69,9 @@ def add_arguments(parser) -> None:
         type=non_negative_int,
         default=1,
         metavar="N",
-        help="look closely at the N-th train-step case (1; 0: none)",
+        help="look closely at the N-th train-step case (0: none)",
     )
-    parser.add_argument(
-        "--top", type=positive_int, default=10, help="largest allocations to list (10)"
-    )
+    parser.add_argument("--top", type=positive_int, default=10, help="largest allocations to list")
 
 
 # ---- the snapshot and timeline, as pure functions of data ------------------------------------
@@ -218,6 +223,7 @@ def look_closely(runner: Runner, measured: dict, out: Path, title: str, top: int
 
 
 def run(args) -> list[results.Row]:
+    fill_device_defaults(args)
     if any(variant.cuda_graphs for variant in variants(args, args.dtype[0])):
         raise SystemExit(
             "memory: CUDA graphs (--compile-mode reduce-overhead, the llmsys preset) allocate "

@@ -1,21 +1,15 @@
 """Command-line options the model benchmarks share (``e2e``, ``memory``, ``profile``).
 
-The part switches pick each part's implementation; a preset sets them all at once:
-
-    eager     naive attention, eager SwiGLU, no torch.compile (what a first implementation is)
-    compiled  SDPA attention, eager SwiGLU, torch.compile (the best a user picks from PyTorch)
-    llmsys    flash-attn2, the fused SwiGLU kernel, torch.compile with CUDA graphs (every one of
-              our kernels, in the compile mode measured fastest for them: on an H100 the medium
-              model's train step took 38.4 ms with "reduce-overhead" and 59.6 ms with "default",
-              whose host cost per custom-op call starves the GPU)
-
-Explicit switches given with a preset override it.
+The part switches pick each part's implementation; a preset sets them all at once
+(``PRESETS_HELP``, the epilog of each of those subcommands' ``--help``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+
+import torch
 
 from .config import ATTENTION, FFN, SIZES, ModelConfig
 from .training import DTYPES, OPTIMIZERS
@@ -94,6 +88,19 @@ class Variant:
         )
 
 
+PRESETS_HELP = f"""\
+presets (--preset NAME ...; a part switch given with a preset overrides it):
+  eager     naive attention, eager SwiGLU, no torch.compile (what a first implementation is)
+  compiled  SDPA attention, eager SwiGLU, torch.compile (the best a user picks from PyTorch)
+  llmsys    flash-attn2, the fused SwiGLU kernel, torch.compile with CUDA graphs (every one of
+            our kernels, in the compile mode measured fastest for them: on an H100 the medium
+            model's train step took 38.4 ms with "reduce-overhead" and 59.6 ms with "default",
+            whose host cost per custom-op call starves the GPU)
+  (none)    the part switches alone (unset: {Variant.attention} attention, {Variant.ffn} FFN, no
+            torch.compile: the provider `{Variant().label}`)
+"""
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1 (argparse names the option in its error)."""
     value = int(text)
@@ -110,38 +117,75 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, contexts=(1024,), sizes=("small",)):
-    """Sizes, contexts, batch, precision, presets and part switches (lists sweep)."""
+def add_model_arguments(
+    parser: argparse.ArgumentParser, *, contexts=(1024,), sizes=("small",), cpu_contexts=(128,)
+) -> None:
+    """Sizes, contexts, batch, precision, presets and part switches (lists sweep).
+
+    ``--size`` and ``--context-length`` default by ``--device``: on a CPU the tiny model at
+    ``cpu_contexts`` (``fill_device_defaults`` sets them once the device is known).
+    """
+    parser.epilog = PRESETS_HELP
+    on_cuda, on_cpu, cuda_sizes = (
+        " ".join(map(str, values)) for values in (contexts, cpu_contexts, sizes)
+    )
     parser.add_argument(
-        "--size", nargs="+", default=list(sizes), choices=list(SIZES), help="model sizes"
+        "--size",
+        nargs="+",
+        choices=list(SIZES),
+        help=f"model sizes (default: {cuda_sizes} on cuda, tiny on cpu)",
     )
     parser.add_argument(
         "--context-length",
         nargs="+",
         type=positive_int,
-        default=list(contexts),
-        help="sequence lengths",
+        help=f"sequence lengths (default: {on_cuda} on cuda, {on_cpu} on cpu)",
     )
-    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step (4)")
+    parser.set_defaults(
+        device_defaults={
+            "cuda": {"size": list(sizes), "context_length": list(contexts)},
+            "cpu": {"size": ["tiny"], "context_length": list(cpu_contexts)},
+        }
+    )
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step")
     parser.add_argument(
-        "--dtype", nargs="+", default=["bf16"], choices=DTYPES, help="bf16 = autocast (bf16)"
+        "--dtype",
+        nargs="+",
+        default=["bf16"],
+        choices=DTYPES,
+        help="fp32, or bf16 autocast over float32 weights",
     )
     parser.add_argument(
-        "--preset", nargs="+", choices=list(PRESETS), help="run these presets (see above)"
+        "--preset",
+        nargs="+",
+        choices=list(PRESETS),
+        help="run these presets, one case each (see 'presets' below; default: none)",
     )
-    parser.add_argument("--attention", choices=ATTENTION, help="attention implementation")
-    parser.add_argument("--ffn", choices=FFN, help="feed-forward: eager, swiglu kernel or moe")
+    preset_or = "default: the preset's; without one,"
     parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile"
+        "--attention", choices=ATTENTION, help=f"attention ({preset_or} {Variant.attention})"
     )
     parser.add_argument(
-        "--compile-mode", choices=COMPILE_MODES, help="torch.compile mode (default: the preset's)"
+        "--ffn",
+        choices=FFN,
+        help=f"feed-forward: eager, swiglu kernel or moe ({preset_or} {Variant.ffn})",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"torch.compile ({preset_or} off)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        help=f"torch.compile mode ({preset_or} {Variant.compile_mode!r})",
     )
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default="adamw-fused",
-        help="AdamW: PyTorch's fused kernel (default), its foreach loops, or the readable one",
+        default=Variant.optimizer,
+        help="AdamW: PyTorch's fused kernel, its foreach loops, or the readable one",
     )
     parser.add_argument(
         "--checkpoint",
@@ -152,6 +196,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, contexts=(1024,), si
     parser.add_argument(
         "--int8", action="store_true", help="int8 linears (llmsys.kernels_int8; forward only)"
     )
+
+
+def fill_device_defaults(args: argparse.Namespace) -> None:
+    """Set ``--size`` and ``--context-length``, where not given, to ``args.device``'s defaults."""
+    device = "cpu" if torch.device(args.device).type == "cpu" else "cuda"
+    for name, value in args.device_defaults[device].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def variants(args: argparse.Namespace, dtype: str) -> list[Variant]:

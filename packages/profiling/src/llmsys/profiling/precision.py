@@ -40,7 +40,7 @@ def add_arguments(parser) -> None:
         nargs="+",
         default=list(AUTOCAST_DTYPES),
         choices=list(AUTOCAST_DTYPES),
-        help="autocast dtypes to inspect (bf16 fp16)",
+        help="autocast dtypes to inspect",
     )
 
 

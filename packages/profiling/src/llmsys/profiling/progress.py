@@ -10,8 +10,8 @@ T = TypeVar("T")
 
 
 def progress(cases: Iterable[T], desc: str, label: Callable[[T], str] = str) -> Iterator[T]:
-    """Yield ``cases`` while showing how far the sweep is and ``label(case)`` of the current one
-    (on stderr, so stdout stays a table)."""
+    """Yield ``cases`` while showing how far the sweep is and ``label(case)`` of the current one,
+    from the moment it starts (on stderr, so stdout stays a table)."""
     cases = list(cases)
     try:
         from tqdm import tqdm
@@ -22,5 +22,5 @@ def progress(cases: Iterable[T], desc: str, label: Callable[[T], str] = str) -> 
         return
     with tqdm(cases, desc=desc, unit="case", file=sys.stderr) as bar:
         for case in bar:
-            bar.set_postfix_str(label(case), refresh=False)
+            bar.set_postfix_str(label(case))  # drawn now: a long case is named while it runs
             yield case

@@ -1,20 +1,21 @@
-"""``llmsys-roofline``: estimate before you measure.
+"""llmsys-roofline: estimate before you measure.
 
-    llmsys-roofline hardware
+    llmsys-roofline hardware  # H100 (the SXM part), H100 PCIe, H100 NVL, H200, B200, A100, A10
     llmsys-roofline linear --tokens 512 --in 4096 --out 8192 512 512 \\
         --bandwidth-tbs 2.4 --tflops 800 --min-kernel-us 10
     llmsys-roofline elementwise --shape 64 8192 8192 --bandwidth-tbs 2.4 --tflops 800
-    llmsys-roofline attention --batch 8 --heads 32 --q-len 1 --kv-len 4096 --head-dim 128
-    llmsys-roofline collective all-reduce --mb 100 --gpus-per-node 8 --nodes 4
-    llmsys-roofline memory --ffn 16384 53248 126 --policy fp32-adamw --strategy fsdp --devices 38
+    llmsys-roofline attention --batch 8 --heads 32 --kv-heads 8 --q-len 1 --kv-len 4096  # decode
+    llmsys-roofline collective all-reduce --mb 100 --gpus-per-node 8 --nodes 4  # ring and tree
+    llmsys-roofline memory --ffn 16384 53248 126 --policy fp32-adamw --strategy fsdp --devices 1 38
     llmsys-roofline min-devices --ffn 16384 53248 126 --policy fp32-adamw --budget-gb 95
     llmsys-roofline hiding --size xl --strategy fsdp --gpus-per-node 8
     llmsys-roofline check packages/ddp/benchmarks/results/h200.csv \\
-        packages/profiling/benchmarks/results/h100.csv
+        packages/profiling/benchmarks/results/h100.csv  # from the repo root
 
-Hardware is a built-in spec (``--gpu``, default H100) or your own (``--bandwidth-tbs`` and
-``--tflops``, with ``--min-kernel-us``); units are decimal (1 TB/s = 1e12 bytes/s, 1 GB =
-1e9 bytes) and times print in microseconds. ``--help`` on each subcommand lists its options.
+Hardware is a built-in spec (`--gpu`, default H100: the SXM part; `hardware` lists them with
+their sources) or your own (`--bandwidth-tbs` and `--tflops`, with `--min-kernel-us`); units are
+decimal (1 TB/s = 1e12 bytes/s, 1 GB = 1e9 bytes) and times print in microseconds. `--help` on
+each subcommand lists its options. The package README gives these same examples.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ from .infra.hardware import GB, HARDWARE, TB, TFLOPS, US, HardwareSpec, lookup
 
 def _hardware_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("hardware")
-    group.add_argument("--gpu", help=f"built-in spec, one of {list(HARDWARE)} (default H100)")
+    group.add_argument(
+        "--gpu",
+        help=f"built-in spec, one of {', '.join(HARDWARE)}, or a name containing one"
+        " (default H100, the SXM part)",
+    )
     rate, time = _positive_float, _non_negative_float
     group.add_argument("--bandwidth-tbs", type=rate, help="your own: memory bandwidth, TB/s")
     group.add_argument("--tflops", type=rate, help="your own: FLOP/s for every precision, TFLOP/s")

@@ -4,7 +4,7 @@ packages: ``launch`` (a compiled kernel without ``JITFunction.run``'s per-call h
 calls its ops), and ``checks`` (argument checks whose errors name the argument)."""
 
 from . import checks
-from .launcher import cdiv, launch, next_power_of_2, runs_under_interpreter
+from .launcher import cdiv, kernel_path, launch, next_power_of_2, runs_under_interpreter
 from .library import call_below_autograd, define_op, refuse_double_backward, wants_grad
 
 __version__ = "0.3.0"
@@ -15,6 +15,7 @@ __all__ = [
     "cdiv",
     "checks",
     "define_op",
+    "kernel_path",
     "launch",
     "next_power_of_2",
     "refuse_double_backward",

@@ -46,6 +46,18 @@ def runs_under_interpreter(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+def kernel_path(kernel, device: torch.device | str) -> str:
+    """Which path an op built on ``kernel`` takes for tensors on ``device``, in words, the way
+    every llmsys kernel package picks it: ``"Triton kernel"`` on CUDA, ``"Triton kernel under
+    TRITON_INTERPRET=1"`` on CPU when ``kernel`` was decorated under the interpreter, else
+    ``"eager fallback"`` (the package's plain-PyTorch code)."""
+    if torch.device(device).type == "cuda":
+        return "Triton kernel"
+    if runs_under_interpreter(kernel):
+        return "Triton kernel under TRITON_INTERPRET=1"
+    return "eager fallback"
+
+
 def _key(value) -> object:
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
