@@ -81,6 +81,37 @@ class FrozenCheckpointed(nn.Module):
         return self.last(h)
 
 
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.gate = OwnLinear(8, 16)
+        self.down = nn.Linear(16, 8, bias=False)
+
+    def forward(self, h):
+        x = self.norm(h)
+        return h + self.down(torch.tanh(self.up(x)) * self.gate(x))
+
+
+class BlocksLM(nn.Module):
+    """Blocks in an ``nn.ModuleList`` (each gathered in one collective): one plain, one under
+    non-reentrant checkpointing, one under reentrant checkpointing."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(8, 11, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = self.blocks[0](h)
+        h = checkpoint(self.blocks[1], h, use_reentrant=False)
+        h = checkpoint(self.blocks[2], h, use_reentrant=True)
+        return self.head(h)
+
+
 def regression_batch(generator):
     return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
 
@@ -105,6 +136,7 @@ def regression_loss(out, targets):
 MODELS = {  # name: (constructor, batch maker, loss)
     "tied": (TiedLM, token_batch, token_loss),
     "frozen, checkpointed": (FrozenCheckpointed, regression_batch, regression_loss),
+    "blocks": (BlocksLM, token_batch, token_loss),
 }
 
 
@@ -251,6 +283,35 @@ def test_three_ranks_pad_uneven_slices_and_load_a_one_rank_checkpoint(run_ranks,
         torch.set_default_dtype(torch.float32)
     path = str(tmp_path / "full.pt")
     run_ranks(check_training, world_size=3, kind="tied", checkpoint_path=path, timeout=180)
+
+
+def test_a_block_is_gathered_in_one_collective(monkeypatch):
+    """Forward gathers each block's three weights at once (5 gathers: the embedding, 3 blocks,
+    the head, where it made 11, one per weight); backward gathers again only what autograd
+    saved, a block at a time."""
+    from llmsys.ddp import fsdp
+
+    gathered = []
+    start = fsdp._Gather.__init__
+
+    def counting(self, uses, dtype, owner):
+        gathered.append(len(uses))
+        start(self, uses, dtype, owner)
+
+    monkeypatch.setattr(fsdp._Gather, "__init__", counting)
+    torch.manual_seed(0)
+    model = FSDP(BlocksLM())
+    tokens, targets = token_batch(torch.Generator().manual_seed(0))
+    loss = token_loss(model(tokens), targets)
+    assert gathered == [1, 3, 3, 3, 1]
+    gathered.clear()
+    loss.backward()
+    model.finish_gradient_synchronization()
+    # The head, block 2's recomputation (reentrant) and block 1's (non-reentrant) gather their
+    # block whole; block 0, outside checkpointing, regathers the weights autograd saved; the
+    # embedding's backward needs no weight.
+    assert sorted(gathered) == [1, 3, 3, 3], gathered
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_without_a_process_group_is_plain_training_bit_for_bit():
