@@ -124,6 +124,10 @@ def predicted_gib(name: str, config: ModelConfig, tokens: int, world_size: int) 
     return (estimate.total - estimate.gathered + gathered) / 2**30
 
 
+def _gib_or_mib(gib: float) -> str:
+    return f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.1f} MiB"
+
+
 def train_step(model, optimizer, tokens, targets, autocast: bool) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     with training.autocast("bf16" if autocast else "fp32", tokens.device):
@@ -177,22 +181,24 @@ def rows_for(measured: dict, args, config, world_size, device) -> list[results.R
     alone = measured.get("one GPU alone")
     alone_ms = statistics.median(alone["times_ms"]) if alone else None
     anchors = {"FSDP": "torch FSDP2", "FSDP bf16": "torch FSDP2 bf16"}
+    alone = "one GPU alone" if device.type == "cuda" else "one process alone"
     rows = []
     for name, m in measured.items():
         p20, p50, p80 = results.quantiles(m["times_ms"])
         predicted = predicted_gib(name, config, tokens, world_size)
-        notes = [f"predicted peak {predicted:.1f} GiB"]
+        notes = [f"predicted peak {_gib_or_mib(predicted)}"]
         if alone_ms:
-            notes.append(f"{p50 / alone_ms:.2f}x one GPU alone")
+            notes.append(f"step time {p50 / alone_ms:.2f}x {alone}'s")
         anchor = measured.get(anchors.get(name, ""))
         if anchor:
-            notes.append(f"{p50 / statistics.median(anchor['times_ms']):.2f}x {anchors[name]}")
+            ratio = p50 / statistics.median(anchor["times_ms"])
+            notes.append(f"step time {ratio:.2f}x {anchors[name]}'s")
         if m["nccl_ms"]:
             notes.append(f"NCCL kernels {m['nccl_ms']:.1f} ms/step")
         rows.append(
             results.Row(
                 kernel="transformer_lm/sharded_training",
-                provider=name,
+                provider=alone if name == "one GPU alone" else name,
                 mode=f"{world_size} ranks" + (", checkpointing" if config.checkpoint else ""),
                 x=f"{args.size} ctx{args.context_length} b{args.batch_size}/rank",
                 dtype=STRATEGIES[name].compute,

@@ -241,7 +241,10 @@ def rows_for(measured: dict[str, dict], args, config, world_size, device) -> lis
     rows = []
     for name, m in measured.items():
         p20, p50, p80 = results.quantiles(m["times_ms"])
-        notes = [f"exposed communication {p50 - floor:.1f} ms", f"{p50 / floor:.2f}x no-comm"]
+        notes = [
+            f"exposed communication {p50 - floor:.1f} ms",
+            f"step time {p50 / floor:.2f}x no communication's",
+        ]
         if m["nccl_ms"]:
             notes.append(f"NCCL kernels {m['nccl_ms']:.1f} ms/step")
         if m["buckets"]:

@@ -66,9 +66,18 @@ def torchrun(script: str, processes: int, arguments: list[str]) -> list[results.
         return results.read_rows(out)
 
 
-def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[results.Row]:
+def run(
+    device: str = "cuda", *, quick: bool = False, progress=None, announce: bool = False
+) -> list[results.Row]:
+    """Every launch of ``commands``; ``announce`` prints each one as it starts (a launch takes
+    from seconds on a CPU to minutes on GPUs, with no output of its own until it ends)."""
     rows = []
-    for script, processes, arguments in commands(device, quick):
+    launches = commands(device, quick)
+    for number, (script, processes, arguments) in enumerate(launches, 1):
+        if announce:
+            shown = " ".join(f"'{a}'" if " " in a else a for a in arguments)
+            print(f"[{number}/{len(launches)}] torchrun --nproc-per-node {processes} {script} "
+                  f"{shown}", flush=True)  # fmt: skip
         rows += torchrun(script, processes, arguments)
         if progress:
             progress()
@@ -92,7 +101,8 @@ def report_markdown(rows: list[results.Row]) -> str:
     if sharded:
         notes = "\n".join(f"| {r.x} | {r.mode} | {r.provider} | {r.config} |" for r in sharded)
         parts.append("### Sharded training: DDP, ZeRO-1, FSDP and torch FSDP2 (`vs baseline`: "
-                     "one GPU alone over this one's time)\n\n" + results.markdown_table(sharded)
+                     "one GPU (on a CPU: process) alone's time over this one's; the notes give "
+                     "step times over another's)\n\n" + results.markdown_table(sharded)
                      + "\n\n| case | mode | provider | predicted peak, ratios, communication |\n"
                      "|---|---|---|---|\n" + notes)  # fmt: skip
     return "\n\n".join(parts)
@@ -148,7 +158,7 @@ def main() -> None:
     if args.replot:
         print(harness.replot(args.replot, plot))
         return
-    rows = run(args.device, quick=args.quick)
+    rows = run(args.device, quick=args.quick, announce=True)
     csv = harness.write_csv(rows, args.out / f"{harness.device_slug(args.device)}.csv")
     print(report_markdown(rows))
     print(f"wrote {csv} and {plot(rows, csv.with_suffix('.png'))}")

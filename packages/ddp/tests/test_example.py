@@ -57,7 +57,7 @@ def test_fsdp_benchmark_runs_every_strategy_on_two_cpu_ranks(tmp_path):
     )  # fmt: skip
     rows = results.read_rows(out)
     assert [r.provider for r in rows] == [
-        "one GPU alone", "DDPBucketed", "ShardedOptimizer + DDPBucketed", "FSDP", "FSDP bf16",
+        "one process alone", "DDPBucketed", "ShardedOptimizer + DDPBucketed", "FSDP", "FSDP bf16",
         "torch FSDP2", "torch FSDP2 bf16",
     ]  # fmt: skip
     assert all(r.p50 > 0 and "predicted peak" in r.config for r in rows)

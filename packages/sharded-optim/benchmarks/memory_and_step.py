@@ -68,17 +68,36 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out", type=Path, default=RESULTS, help="folder for <gpu>.csv and .png (results/)"
+    parser = argparse.ArgumentParser(
+        description=" ".join(__doc__.split("\n\n")[0].split()),  # the first paragraph, whole
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--size", default="xl", choices=list(SIZES))
-    parser.add_argument("--context-length", type=int, default=512)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=RESULTS,
+        help="folder for <gpu>.csv and .png (each run overwrites them)",
+    )
+    parser.add_argument(
+        "--size", default="xl", choices=list(SIZES), help="model size (tiny for a CPU smoke run)"
+    )
+    parser.add_argument("--context-length", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    parser.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=("bf16", "fp32"),
+        help="autocast dtype over float32 weights",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=VARIANTS,
+        help="optimizers to measure, in this order",
+    )
     parser.add_argument(
         "--one-gpu",
         action="store_true",

@@ -45,6 +45,11 @@ from torch.utils._pytree import tree_map
 from .base import _WRAPPED, DataParallel
 from .wrappers import all_reduce_flat
 
+# torch 2.13 renamed the single-tensor collectives and warns on the old names, which are all that
+# older torch has.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 IN_FLIGHT_REDUCE_SCATTERS = 2  # beyond this, the oldest is waited for (its full gradient freed)
 
 
@@ -105,7 +110,7 @@ class _Gather:
         if fsdp.world_size == 1:
             self.gathered.copy_(send)
         else:
-            self.work = dist.all_gather_into_tensor(
+            self.work = _all_gather_single(
                 self.gathered, send, group=fsdp.process_group, async_op=True
             )
         self.world_size = fsdp.world_size
@@ -349,7 +354,7 @@ class FSDP(DataParallel):
         if self.world_size == 1:
             out.copy_(source)
         else:
-            dist.all_gather_into_tensor(out, source, group=self.process_group)
+            _all_gather_single(out, source, group=self.process_group)
         return out[: shard.numel].view(shard.shape)
 
     def _before(self, unit: int) -> None:
@@ -489,7 +494,7 @@ class FSDP(DataParallel):
             self._reduced.append((shard, piece))
             return
         try:
-            work = dist.reduce_scatter_tensor(piece, flat, group=self.process_group, async_op=True)
+            work = _reduce_scatter_single(piece, flat, group=self.process_group, async_op=True)
         except (RuntimeError, NotImplementedError):
             if dist.get_backend(self.process_group) == "nccl":
                 raise
