@@ -4,7 +4,8 @@ job calls :func:`run`.
 
 On a host with 2 or more GPUs: NCCL all-reduce of 1 MB to 1 GB float32 on 2, 4, 6 and 8 ranks as
 the host has GPUs, gloo on the host's CPU cores with 2, 4 and 6 processes (1 to 100 MB), and the
-strategy benchmark (xl, context 512, batch 4 per GPU, bf16) on 2 GPUs. On one GPU only the gloo
+strategy benchmark (xl, context 512, batch 4 per GPU, bf16), FSDP on xl and the 9.7B FSDP run
+on 2 GPUs (``--full``: FSDP on 2.7B too). On one GPU only the gloo
 rows run. On a CPU-only machine: gloo with 2 processes and the strategies on the tiny model.
 """
 
@@ -27,8 +28,9 @@ def _gpus(device: str) -> int:
     return torch.cuda.device_count() if device == "cuda" else 0
 
 
-def commands(device: str, quick: bool) -> list[tuple[str, int, list[str]]]:
-    """(script, processes, arguments) of every torchrun launch this sweep makes on ``device``."""
+def commands(device: str, quick: bool, full: bool = False) -> list[tuple[str, int, list[str]]]:
+    """(script, processes, arguments) of every torchrun launch this sweep makes on ``device``;
+    ``full`` adds FSDP on the 2.7B model."""
     gpus = _gpus(device)
     small = quick or gpus == 0
     gloo_sizes = ["1", "10"] if small else ["1", "10", "100"]
@@ -39,7 +41,7 @@ def commands(device: str, quick: bool) -> list[tuple[str, int, list[str]]]:
         runs += [("all_reduce.py", n, ["--backend", "nccl"]) for n in (2, 4, 6, 8) if n <= gpus]
         once = ["--rounds", "1"] if quick else []
         runs.append(("strategies.py", 2, ["--size", "tiny" if quick else "xl", *once]))
-        for size in ["tiny"] if quick else ["xl", "2.7B"]:
+        for size in ["tiny"] if quick else ["xl", "2.7B"] if full else ["xl"]:
             runs.append(("fsdp.py", 2, ["--size", size, "--checkpointing", "both", *once]))
         if not quick:
             runs.append(("fsdp.py", 2, ["--largest", "10B", "--steps", "4"]))
@@ -67,12 +69,17 @@ def torchrun(script: str, processes: int, arguments: list[str]) -> list[results.
 
 
 def run(
-    device: str = "cuda", *, quick: bool = False, progress=None, announce: bool = False
+    device: str = "cuda",
+    *,
+    quick: bool = False,
+    progress=None,
+    full: bool = False,
+    announce: bool = False,
 ) -> list[results.Row]:
     """Every launch of ``commands``; ``announce`` prints each one as it starts (a launch takes
     from seconds on a CPU to minutes on GPUs, with no output of its own until it ends)."""
     rows = []
-    launches = commands(device, quick)
+    launches = commands(device, quick, full)
     for number, (script, processes, arguments) in enumerate(launches, 1):
         if announce:
             shown = " ".join(f"'{a}'" if " " in a else a for a in arguments)
@@ -154,11 +161,12 @@ def plot(rows: list[results.Row], path: Path) -> Path:
 
 def main() -> None:
     parser = harness.sweep_arguments(__doc__.splitlines()[0], RESULTS, "the smallest cases")
+    parser.add_argument("--full", action="store_true", help="FSDP on the 2.7B model too")
     args = parser.parse_args()
     if args.replot:
         print(harness.replot(args.replot, plot))
         return
-    rows = run(args.device, quick=args.quick, announce=True)
+    rows = run(args.device, quick=args.quick, full=args.full, announce=True)
     csv = harness.write_csv(rows, args.out / f"{harness.device_slug(args.device)}.csv")
     print(report_markdown(rows))
     print(f"wrote {csv} and {plot(rows, csv.with_suffix('.png'))}")
