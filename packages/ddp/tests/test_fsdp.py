@@ -314,6 +314,118 @@ def test_a_block_is_gathered_in_one_collective(monkeypatch):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def count_gathers(monkeypatch) -> list[int]:
+    """The number of weights in each all-gather FSDP starts from now on."""
+    from llmsys.ddp import fsdp
+
+    sizes = []
+    start = fsdp._Gather.__init__
+
+    def counting(self, uses, dtype, owner):
+        sizes.append(len(uses))
+        start(self, uses, dtype, owner)
+
+    monkeypatch.setattr(fsdp._Gather, "__init__", counting)
+    return sizes
+
+
+class AttentionThenCheckpointedMLP(nn.Module):
+    """Selective checkpointing: the first half of the block runs plain, the second is
+    recomputed in backward."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.q = nn.Linear(8, 8)
+        self.o = nn.Linear(8, 8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.aux = nn.Linear(8, 13)  # never called in training (an eval-time head)
+
+    def mlp(self, h):
+        return self.down(torch.tanh(self.up(h)))
+
+    def forward(self, h):
+        h = h + self.o(torch.tanh(self.q(h)))
+        return h + checkpoint(self.mlp, h, use_reentrant=self.reentrant)
+
+
+class SelectiveLM(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(AttentionThenCheckpointedMLP(reentrant) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def full_weights_alive(shape) -> int:
+    import gc
+    import warnings
+
+    gc.collect()
+    with warnings.catch_warnings():  # looking at every object touches deprecated torch aliases
+        warnings.simplefilter("ignore")
+        return sum(
+            isinstance(o, torch.Tensor) and tuple(o.shape) == shape for o in gc.get_objects()
+        )
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_selective_checkpointing_and_an_unused_layer_leave_no_full_weight(monkeypatch, reentrant):
+    """A recomputation gathers only the layers it reruns, and no full weight outlives the step:
+    not the plain half's, not the never-called layer's. Training still matches one process."""
+    torch.manual_seed(0)
+    expected = SelectiveLM(reentrant).double()
+    torch.manual_seed(0)
+    model = FSDP(SelectiveLM(reentrant).double())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    sizes = count_gathers(monkeypatch)
+    before = full_weights_alive((13, 8))
+    for net in (expected, model):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        loss = net(x).pow(2).mean()
+        if net is model:
+            assert sizes == [5, 5]  # forward: each block whole, the never-called aux with it
+            sizes.clear()
+        loss.backward()
+        if net is model:
+            # Backward gathers q and o again together (block 0's q alone is not saved: its input
+            # needs no gradient) and each recomputation only up and down.
+            assert sorted(sizes) == [1, 2, 2, 2], sizes
+            assert model._prefetched == {}
+            model.finish_gradient_synchronization()
+        optimizer.step()
+    del loss
+    assert full_weights_alive((13, 8)) == before
+    assert_matches(expected, model.gather_full_params(), "selective checkpointing", atol=1e-12)
+
+
+def test_nested_module_lists_gather_per_inner_item(monkeypatch):
+    stages = nn.ModuleList(nn.ModuleList(nn.Linear(8, 8) for _ in range(4)) for _ in range(2))
+
+    class Stages(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stages = stages
+
+        def forward(self, x):
+            for stage in self.stages:
+                for layer in stage:
+                    x = torch.tanh(layer(x))
+            return x
+
+    sizes = count_gathers(monkeypatch)
+    model = FSDP(Stages())
+    model(torch.randn(2, 8)).sum().backward()
+    model.finish_gradient_synchronization()
+    # 8 layers, each gathered alone in forward and again in backward, but the first: its input
+    # needs no gradient, so backward needs no weight there.
+    assert sizes == [1] * 15
+
+
 def test_without_a_process_group_is_plain_training_bit_for_bit():
     torch.manual_seed(0)
     expected = train_single_process("tied")

@@ -88,6 +88,7 @@ class _Use:
         self.gather: _Gather | None = None  # the all-gather still running for it, if any
         self.saved = False  # autograd saved it: backward will gather it again
         self.previous: _Use | None = None  # the use before this one in the forward
+        self.cohort: list[_Use] = [self]  # the uses gathered with it in forward
 
 
 class _Gather:
@@ -199,7 +200,6 @@ class FSDP(DataParallel):
         for unit, (_, attributes) in enumerate(self._units):
             if any(p in self._shards for _, p in attributes):
                 self._group_units.setdefault(self._group_of[unit], []).append(unit)
-        self._group_uses: dict[int, list[_Use]] = {}  # group -> the uses of its last gather
         self._module_hooks = []
         for unit, (module_, _) in enumerate(self._units):
             self._module_hooks.append(
@@ -394,10 +394,18 @@ class FSDP(DataParallel):
         """Gather ``unit``'s weights with those of the other units of its block that are not
         gathered already (they wait in ``_prefetched``); returns ``unit``'s uses."""
         group = self._group_of[unit]
+        later = None  # recomputing in backward: only the units from this one on will run
+        if torch._C._current_graph_task_id() != -1 and unit in self._order:
+            later = set(self._order[self._order.index(unit) :])
         members = [
             u
             for u in self._group_units[group]
-            if u == unit or (u not in self._prefetched and u not in self._active)
+            if u == unit
+            or (
+                u not in self._prefetched
+                and u not in self._active
+                and (later is None or u in later)
+            )
         ]
         uses_of = {
             u: [_Use(self._shards[p], u) for _, p in self._units[u][1] if p in self._shards]
@@ -405,17 +413,17 @@ class FSDP(DataParallel):
         }
         every = [use for uses in uses_of.values() for use in uses]
         self._gather(every)
-        self._group_uses[group] = every
+        for use in every:
+            use.cohort = every
         for u in members:
             if u != unit:
                 self._prefetched[u] = uses_of[u]
         return uses_of[unit]
 
     def _regather(self, use: _Use) -> None:
-        """In backward: gather ``use`` again with every weight of its block that backward still
-        needs (saved by autograd, not gathered)."""
-        block = self._group_uses.get(self._group_of[use.unit], [])
-        wanted = [u for u in block if u.saved and u.full is None and u.gather is None]
+        """In backward: gather ``use`` again with every weight gathered with it in forward that
+        backward still needs (saved by autograd, not gathered)."""
+        wanted = [u for u in use.cohort if u.saved and u.full is None and u.gather is None]
         if use not in wanted:
             wanted.append(use)
         self._gather(wanted)
@@ -445,6 +453,7 @@ class FSDP(DataParallel):
         for uses in self._prefetched.values():
             for use in uses:
                 self._ready(use)  # collectives must complete even if unused
+                use.full = None
         self._prefetched.clear()
         for unit in list(self._active):
             self._after(unit)
@@ -513,14 +522,15 @@ class FSDP(DataParallel):
 
 def _blocks(module: nn.Module, owners: list[nn.Module]) -> list[int]:
     """A group number per owner: owners inside the same item of an ``nn.ModuleList`` (the
-    outermost one, such as a Transformer's layer) share one; any other owner is its own."""
+    innermost one: a Transformer's layer, or one expert of a list of experts inside it) share
+    one; any other owner is its own."""
     block_of: dict[int, int] = {}  # id(module) -> id(its block), for modules inside one
 
     def visit(parent: nn.Module, block: int | None) -> None:
         for child in parent.children():
             if id(child) in block_of:  # shared by two blocks: the first keeps it
                 continue
-            inner = id(child) if block is None and isinstance(parent, nn.ModuleList) else block
+            inner = id(child) if isinstance(parent, nn.ModuleList) else block
             if inner is not None:
                 block_of[id(child)] = inner
             visit(child, inner)
