@@ -6,7 +6,9 @@ single-process reference itself, so comparisons need no communication.
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -552,6 +554,11 @@ def test_bad_arguments_are_named():
     model = FSDP(layer)
     with pytest.raises(ValueError, match="already wrapped"):
         FSDP(layer)
+    dropped = FSDP(nn.Linear(3, 2))  # freed with its model: the registry holds neither
+    inner = weakref.ref(dropped.module)
+    del dropped
+    gc.collect()
+    assert inner() is None
     with pytest.raises(ValueError, match=r"'weight'.*\(2, 3\)"):
         model.load_state_dict({"weight": torch.zeros(3, 2), "bias": torch.zeros(2)})
     with pytest.raises(ValueError, match="max_norm"):

@@ -6,7 +6,9 @@ computes the single-process reference itself, so the comparison needs no communi
 
 from __future__ import annotations
 
+import gc
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -325,6 +327,13 @@ def check_misuse_is_named(rank: int, world_size: int) -> None:
         with pytest.raises(RuntimeError, match=r"\['b.weight', 'b.bias'\] have gradients but"):
             late.finish_gradient_synchronization()
         again.remove_hooks()
+        # A wrapper and its model, dropped, are freed (the registry of wrapped modules holds
+        # neither).
+        dropped = wrap(Branches(with_unused_layer=False))
+        inner, wrapper = weakref.ref(dropped.module), weakref.ref(dropped)
+        del dropped
+        gc.collect()
+        assert inner() is None and wrapper() is None, name
         # Two backwards in one synchronized step (no no_sync): named, no hang.
         model.zero_grad(set_to_none=True)
         model.on_train_batch_start()

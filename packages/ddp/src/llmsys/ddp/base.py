@@ -24,7 +24,6 @@ average (see ``wrappers.py``); this base class holds the contract they all keep:
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from collections.abc import Iterator
 
@@ -35,8 +34,18 @@ from torch import nn
 from .process_group import global_rank, rank_and_world_size
 
 # The wrapper whose hooks are on each module now: a second wrapper on the same module would add
-# its own hooks, and both would reduce every gradient.
-_WRAPPED: weakref.WeakKeyDictionary[nn.Module, DataParallel] = weakref.WeakKeyDictionary()
+# its own hooks, and both would reduce every gradient. Each value is the wrapper's class name and
+# a weak reference to it (None for FSDP, which shards the module in place for good): a value that
+# held the wrapper, which holds the module, would keep both alive forever.
+_WRAPPED: weakref.WeakKeyDictionary[nn.Module, tuple[str, weakref.ref | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _wrapper_of(module: nn.Module) -> str | None:
+    """The class name of the live wrapper on ``module`` (or of FSDP, forever), else None."""
+    name, wrapper = _WRAPPED.get(module, (None, None))
+    return name if name is not None and (wrapper is None or wrapper() is not None) else None
 
 
 class DataParallel(nn.Module):
@@ -52,9 +61,10 @@ class DataParallel(nn.Module):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        if module in _WRAPPED:
+        holder = _wrapper_of(module)
+        if holder is not None:
             raise ValueError(
-                f"module is already wrapped by a {type(_WRAPPED[module]).__name__}, whose hooks "
+                f"module is already wrapped by a {holder}, whose hooks "
                 "would reduce every gradient a second time; call remove_hooks() on that wrapper "
                 "first"
             )
@@ -84,17 +94,18 @@ class DataParallel(nn.Module):
             _check_same_model(module, process_group, self.world_size)
             _broadcast_from_first_rank(module, process_group)
             self._hooks = [
-                param.register_post_accumulate_grad_hook(functools.partial(self._on_gradient, i))
+                param.register_post_accumulate_grad_hook(_hook_to(self, i))
                 for i, param in enumerate(self.params)
             ]
-            _WRAPPED[module] = self
+            _WRAPPED[module] = (type(self).__name__, weakref.ref(self))
 
     def remove_hooks(self) -> None:
         """Detach this wrapper from the module (to wrap it again, say, with another strategy)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        if _WRAPPED.get(self.module) is self:
+        _, wrapper = _WRAPPED.get(self.module, (None, None))
+        if wrapper is not None and wrapper() is self:
             del _WRAPPED[self.module]
 
     def forward(self, *args, **kwargs):
@@ -244,6 +255,22 @@ class DataParallel(nn.Module):
                 "them when the wrapper was built, so they would not be averaged; wrap the module "
                 "after unfreezing (remove_hooks() on this wrapper, then a new one)"
             )
+
+
+def _hook_to(wrapper: DataParallel, index: int):
+    """A gradient hook that calls ``wrapper._on_gradient(index, param)`` while the wrapper lives.
+
+    It holds the wrapper weakly: a tensor's hooks live where the garbage collector cannot follow
+    them, so a strong reference (the wrapper holds the module, which holds the parameters) would
+    make a cycle that is never freed."""
+    wrapper_ref = weakref.ref(wrapper)
+
+    def hook(param: torch.Tensor) -> None:
+        live = wrapper_ref()
+        if live is not None:
+            live._on_gradient(index, param)
+
+    return hook
 
 
 def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None, world_size: int) -> None:

@@ -193,7 +193,7 @@ class FSDP(DataParallel):
                 shard = _Shard(param, name, self.rank, self.world_size)
                 param.data = shard.slice_of(param)
                 self._shards[param] = shard
-        _WRAPPED[module] = self  # sharded in place: never wrap it again, at any world size
+        _WRAPPED[module] = (type(self).__name__, None)  # sharded in place: never wrap it again
         self._units = _owners(module, self._shards, replicated_cast=compute_dtype is not None)
         self._group_of = _blocks(module, [owner for owner, _ in self._units])
         self._group_units: dict[int, list[int]] = {}  # group -> its units with sharded weights
