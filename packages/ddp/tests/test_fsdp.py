@@ -287,35 +287,6 @@ def test_three_ranks_pad_uneven_slices_and_load_a_one_rank_checkpoint(run_ranks,
     run_ranks(check_training, world_size=3, kind="tied", checkpoint_path=path, timeout=180)
 
 
-def test_a_block_is_gathered_in_one_collective(monkeypatch):
-    """Forward gathers each block's three weights at once (5 gathers: the embedding, 3 blocks,
-    the head, where it made 11, one per weight); backward gathers again only what autograd
-    saved, a block at a time."""
-    from llmsys.ddp import fsdp
-
-    gathered = []
-    start = fsdp._Gather.__init__
-
-    def counting(self, uses, dtype, owner):
-        gathered.append(len(uses))
-        start(self, uses, dtype, owner)
-
-    monkeypatch.setattr(fsdp._Gather, "__init__", counting)
-    torch.manual_seed(0)
-    model = FSDP(BlocksLM())
-    tokens, targets = token_batch(torch.Generator().manual_seed(0))
-    loss = token_loss(model(tokens), targets)
-    assert gathered == [1, 3, 3, 3, 1]
-    gathered.clear()
-    loss.backward()
-    model.finish_gradient_synchronization()
-    # The head, block 2's recomputation (reentrant) and block 1's (non-reentrant) gather their
-    # block whole; block 0, outside checkpointing, regathers the weights autograd saved; the
-    # embedding's backward needs no weight.
-    assert sorted(gathered) == [1, 3, 3, 3], gathered
-    assert all(p.grad is not None for p in model.parameters())
-
-
 def count_gathers(monkeypatch) -> list[int]:
     """The number of weights in each all-gather FSDP starts from now on."""
     from llmsys.ddp import fsdp
@@ -329,6 +300,26 @@ def count_gathers(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(fsdp._Gather, "__init__", counting)
     return sizes
+
+
+def test_a_block_is_gathered_in_one_collective(monkeypatch):
+    """Forward gathers each block's three weights at once (5 gathers: the embedding, 3 blocks,
+    the head, where it made 11, one per weight); backward gathers again only what autograd
+    saved, a block at a time."""
+    gathered = count_gathers(monkeypatch)
+    torch.manual_seed(0)
+    model = FSDP(BlocksLM())
+    tokens, targets = token_batch(torch.Generator().manual_seed(0))
+    loss = token_loss(model(tokens), targets)
+    assert gathered == [1, 3, 3, 3, 1]
+    gathered.clear()
+    loss.backward()
+    model.finish_gradient_synchronization()
+    # The head, block 2's recomputation (reentrant) and block 1's (non-reentrant) gather their
+    # block whole; block 0, outside checkpointing, regathers the weights autograd saved; the
+    # embedding's backward needs no weight.
+    assert sorted(gathered) == [1, 3, 3, 3], gathered
+    assert all(p.grad is not None for p in model.parameters())
 
 
 class AttentionThenCheckpointedMLP(nn.Module):

@@ -21,10 +21,10 @@ registered in) gathers it around its ``forward``:
                         slice (summed; divided by N once at the end)
 
 so a rank holds its slices plus the few full layers in flight. The weights of one block (an item
-of an ``nn.ModuleList``, such as a Transformer's layer) travel together: the first of its
-modules to need them gathers them all in one all-gather, forward and backward alike, because
-each collective costs the host a fixed time (about 0.2 ms on an H100 host) that a step of a
-hundred layers would otherwise pay per weight matrix. ``finish_gradient_synchronization``
+of the innermost ``nn.ModuleList`` around them, such as a Transformer's layer) travel together:
+the first of its modules to need them gathers them all in one all-gather, forward and backward
+alike, because each collective costs the host a fixed time (about 0.2 ms on an H100 host) that a
+step of a hundred layers would otherwise pay per weight matrix. ``finish_gradient_synchronization``
 waits for the reduce-scatters, hands each slice its gradient and averages the replicated
 parameters' gradients.
 
