@@ -136,15 +136,20 @@ def measure(kind: str, name: str, args, config, device, rank: int, world_size: i
         train(tokens, targets)
 
     times, peak = _strategies.timed_steps(step, args.warmup, args.steps, device, world_size)
+
+    def together() -> None:  # every rank starts the next step at once
+        if world_size > 1:
+            dist.barrier()
+
     host = []
     for _ in range(3):
-        dist.barrier()
+        together()
         training.synchronize(device)
         started = time.perf_counter()
         step()
         host.append((time.perf_counter() - started) * 1e3)
         training.synchronize(device)
-    dist.barrier()
+    together()
     parts, table = profile_step(step, device)
     _strategies.release(model, optimizer)
     del model, optimizer
