@@ -322,6 +322,32 @@ def test_a_block_is_gathered_in_one_collective(monkeypatch):
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_a_block_is_reduce_scattered_in_one_collective(monkeypatch):
+    """Backward reduce-scatters each block's three gradients at once, once the last arrived (5
+    collectives: the head, 3 blocks, the embedding), and training matches plain training."""
+    from llmsys.ddp import fsdp
+
+    sizes = []
+    reduce = fsdp.FSDP._reduce_pending
+
+    def counting(self):
+        sizes.append(len(self._pending))
+        reduce(self)
+
+    monkeypatch.setattr(fsdp.FSDP, "_reduce_pending", counting)
+    torch.manual_seed(0)
+    model = FSDP(BlocksLM())
+    torch.manual_seed(0)
+    plain = BlocksLM()
+    tokens, targets = token_batch(torch.Generator().manual_seed(0))
+    token_loss(model(tokens), targets).backward()
+    model.finish_gradient_synchronization()
+    assert sizes == [1, 3, 3, 3, 1], sizes
+    token_loss(plain(tokens), targets).backward()
+    for (name, p), q in zip(model.module.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.view(-1)[: q.numel()], q.grad.view(-1), msg=name)
+
+
 class AttentionThenCheckpointedMLP(nn.Module):
     """Selective checkpointing: the first half of the block runs plain, the second is
     recomputed in backward."""

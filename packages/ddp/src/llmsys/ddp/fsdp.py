@@ -23,7 +23,8 @@ registered in) gathers it around its ``forward``:
 so a rank holds its slices plus the few full layers in flight. The weights of one block (an item
 of the innermost ``nn.ModuleList`` around them, such as a Transformer's layer) travel together:
 the first of its modules to need them gathers them all in one all-gather, forward and backward
-alike, because each collective costs the host a fixed time (about 0.2 ms on an H100 host) that a
+alike, and their gradients are reduce-scattered in one collective once the last has arrived,
+because each collective costs the host a fixed time (about 0.2 ms on an H100 host) that a
 step of a hundred layers would otherwise pay per weight matrix. ``finish_gradient_synchronization``
 waits for the reduce-scatters, hands each slice its gradient and averages the replicated
 parameters' gradients.
@@ -50,7 +51,7 @@ from .wrappers import all_reduce_flat
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
-IN_FLIGHT_REDUCE_SCATTERS = 2  # beyond this, the oldest is waited for (its full gradient freed)
+IN_FLIGHT_REDUCE_SCATTERS = 2  # beyond this, the oldest is waited for (its full gradients freed)
 
 
 def is_sharded(param: torch.Tensor) -> bool:
@@ -215,7 +216,8 @@ class FSDP(DataParallel):
         self._active: dict[int, list[_Use]] = {}  # unit -> its uses while its forward runs
         self._live: dict[int, _Use] = {}  # storage address of a full weight in forward -> use
         self._last_use: _Use | None = None
-        self._reducing: deque = deque()  # (work, full gradient, slice sum, shard) in flight
+        self._pending: list[tuple[_Use, torch.Tensor]] = []  # a block's full gradients so far
+        self._reducing: deque = deque()  # (work, send buffer, slice sums, shards) in flight
         self._reduced: list[tuple[_Shard, torch.Tensor]] = []  # slice sums ready for .grad
 
     # -- the public contract ----------------------------------------------------------------
@@ -234,6 +236,8 @@ class FSDP(DataParallel):
     def finish_gradient_synchronization(self) -> None:
         """Wait until every slice's gradient holds its mean over ranks, and every replicated
         parameter's gradient too. Call after ``backward()``, before ``optimizer.step()``."""
+        if self._pending:
+            self._reduce_pending()
         while self._reducing:
             self._finish_oldest_reduce_scatter()
         self._drop_prefetched()
@@ -487,37 +491,60 @@ class FSDP(DataParallel):
         return full.as_strided(*saved.view)
 
     def _gradient_arrived(self, use: _Use, grad_full: torch.Tensor) -> None:
-        """A full weight's gradient: free the full weight, reduce-scatter the gradient."""
+        """A full weight's gradient: free the full weight and queue the gradient; the weights
+        gathered together (a block's) are reduce-scattered together, asynchronously."""
         use.full, use.saved = None, False
         self._finished.add(use.unit)
         if use.unit in self._active:
             # Checkpointing recomputes a segment only up to the last tensor backward needs and
             # stops mid-layer, so that layer's forward hook never ran: release it here.
             self._after(use.unit)
+        if self._pending and self._pending[0][0].cohort is not use.cohort:
+            self._reduce_pending()
         shard = use.shard
         flat = torch.zeros(shard.padded, dtype=shard.param.dtype, device=grad_full.device)
         flat[: shard.numel].copy_(grad_full.reshape(-1))
-        piece = torch.empty(shard.size, dtype=flat.dtype, device=flat.device)
+        self._pending.append((use, flat))
+        # Every weight of the block that can receive a gradient has: send now. (One that never
+        # receives one leaves the group for the next block's first gradient, or the end, to send.)
+        expected = sum(1 for u in use.cohort if u.shard.param.requires_grad)
+        if len(self._pending) >= expected:
+            self._reduce_pending()
+
+    def _reduce_pending(self) -> None:
+        """Reduce-scatter the queued full gradients in one collective.
+
+        As in ``_Gather``, the send buffer is viewed as (ranks, total): the columns of one
+        weight hold its padded flat gradient row by row, so rank r receives its slice of every
+        weight one after another."""
+        shards = [use.shard for use, _ in self._pending]
+        sizes = [shard.size for shard in shards]
+        rows = [flat.view(self.world_size, -1) for _, flat in self._pending]
+        send = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+        self._pending = []
+        received = send.new_empty(sum(sizes))
         if self.world_size == 1:
-            piece.copy_(flat)
-            self._reduced.append((shard, piece))
+            received.copy_(send.view(-1))
+            self._reduced.extend(zip(shards, received.split(sizes), strict=True))
             return
         try:
-            work = _reduce_scatter_single(piece, flat, group=self.process_group, async_op=True)
+            work = _reduce_scatter_single(
+                received, send.view(-1), group=self.process_group, async_op=True
+            )
         except (RuntimeError, NotImplementedError):
             if dist.get_backend(self.process_group) == "nccl":
                 raise
-            # gloo before torch 2.8 has no reduce-scatter: all-reduce and keep this rank's slice
-            work = dist.all_reduce(flat, group=self.process_group, async_op=True)
-            piece = flat[shard.rank * shard.size : (shard.rank + 1) * shard.size]
-        self._reducing.append((work, flat, piece, shard))
+            # gloo before torch 2.8 has no reduce-scatter: all-reduce and keep this rank's row
+            work = dist.all_reduce(send, group=self.process_group, async_op=True)
+            received = send[self.rank]
+        self._reducing.append((work, send, received.split(sizes), shards))
         if len(self._reducing) > IN_FLIGHT_REDUCE_SCATTERS:
             self._finish_oldest_reduce_scatter()
 
     def _finish_oldest_reduce_scatter(self) -> None:
-        work, _, piece, shard = self._reducing.popleft()
+        work, _, pieces, shards = self._reducing.popleft()
         work.wait()
-        self._reduced.append((shard, piece))
+        self._reduced.extend(zip(shards, pieces, strict=True))
 
 
 def _blocks(module: nn.Module, owners: list[nn.Module]) -> list[int]:
