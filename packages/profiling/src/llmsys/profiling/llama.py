@@ -27,9 +27,11 @@ tiny sizes, eagerly only on a CPU: a smoke test. Needs transformers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -278,54 +280,142 @@ def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
         )  # fmt: skip
 
 
-def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -> None:
-    """stock vs llmsys (our attention + SwiGLU), bf16 autocast train steps, eager / compiled."""
-    from llmsys.flash_attn2.hf import register
-    from llmsys.kernels_swiglu.hf import patch_gated_mlps
+TRAIN_PROVIDERS = ("stock", "llmsys", "liger")
 
+
+def _liger():
+    """Liger-Kernel's patch for Llama, or None when liger-kernel is not installed."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError:
+        return None
+    return apply_liger_kernel_to_llama
+
+
+@contextlib.contextmanager
+def kernels_of(provider: str, model: nn.Module):
+    """``model`` with ``provider``'s kernels put in: nothing (stock), ``apply_llmsys``, or
+    Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)``. Liger also replaces
+    transformers' module-level rotary function and classes; they are put back on leaving, so
+    the next stock model is stock."""
+    if provider == "llmsys":
+        from llmsys.hf import apply_llmsys
+
+        apply_llmsys(model)
+    if provider != "liger":
+        yield model
+        return
+    module = sys.modules[type(model).__module__]
+    saved = {name: getattr(module, name) for name in LIGER_REPLACES if hasattr(module, name)}
+    try:
+        _liger()(model=model)
+        yield model
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+LIGER_REPLACES = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+
+
+def train_step(call: Callable, optimizer, data: torch.Tensor, device) -> torch.Tensor:
+    """One bf16-autocast step with the loss from the model's forward (``labels=``)."""
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        loss = call(data, labels=data, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def largest_batch(model: nn.Module, tokens: int, vocab: int, device, cap: int = 512) -> int:
+    """The largest batch of ``tokens``-token sequences whose eager train step fits: doubled from
+    1 until a step runs out of memory, then bisected to within 1/8."""
+    optimizer = make_optimizer(model)
+
+    def fits(batch: int) -> bool:
+        ok = True
+        try:
+            data = torch.randint(0, vocab, (batch, tokens), device=device)
+            for _ in range(2):  # the first allocates the optimizer state
+                train_step(model, optimizer, data, device)
+            synchronize(device)
+        except torch.OutOfMemoryError:
+            ok = False
+        data = None
+        optimizer.zero_grad(set_to_none=True)
+        free_device_memory(device)
+        return ok
+
+    low, high = 0, None
+    batch = 1
+    while high is None and batch <= cap:
+        if fits(batch):
+            low, batch = batch, batch * 2
+        else:
+            high = batch
+    high = high or cap + 1
+    while high - low > max(1, low // 8):
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -> None:
+    """stock vs llmsys (``apply_llmsys``) vs Liger-Kernel: bf16 autocast train steps with the
+    loss from the model's forward, eager and compiled, each model alone on the device."""
     device, on_cuda = args.device, torch.device(args.device).type == "cuda"
     compile_choice = args.compile or ("both" if on_cuda else "off")
     compiled = {"off": [False], "on": [True], "both": [False, True]}[compile_choice]
-    stock = build_llama(sizes, device, torch.float32).train()
-    ours = copy.deepcopy(stock)  # the same weights, then our attention and SwiGLU
-    ours.set_attn_implementation(register())
-    models = {"stock": stock, "llmsys": patch_gated_mlps(ours)}
-    params = sum(p.numel() for p in stock.parameters())
-    # eager pairs first, compiled ones last: a run cut off early still compares like with like
-    cases = [(p, s, c) for c in compiled for s in shapes for p in models]
+    master = build_llama(sizes, "cpu", torch.float32).train()  # each case copies it to device
+    params = sum(p.numel() for p in master.parameters())
+    providers = [p for p in args.providers if p != "liger" or _liger() is not None]
+    if len(providers) < len(args.providers):
+        print("llama: liger-kernel is not installed; no Liger rows (pip install liger-kernel)")
+    # eager cases first, compiled ones last: a run cut off early still compares like with like
+    cases = [(p, s, c) for c in compiled for s in shapes for p in providers]
     for provider, (batch, tokens), use_compile in progress(
         cases, "llama training", lambda c: f"{c[0]} {c[1][0]}x{c[1][1]} compile={c[2]}"
     ):
-        model = models[provider]
-        torch._dynamo.reset()
-        call = torch.compile(model, mode=args.compile_mode) if use_compile else model
-        optimizer = make_optimizer(model)
-        data = torch.randint(0, sizes["vocab_size"], (batch, tokens + 1), device=device)
-
-        def step():
-            with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-                logits = call(data[:, :-1], use_cache=False).logits
-            lm_loss(logits, data[:, 1:]).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        mode = f"compiled/{args.compile_mode}" if use_compile else "eager"
-        settings = (
-            f"{params / 1e9:.2f}B params; bf16 autocast, fused AdamW; warmup={args.warmup} "
-            f"reps={args.reps}"
-        )
-        try:
-            times = time_calls(step, args.warmup, args.reps, device)
-            memory = torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None
-        except torch.OutOfMemoryError:
-            times, settings, memory = [math.nan], "OOM", None
-        optimizer = call = step = None  # free the optimizer state and compiled graphs
         free_device_memory(device)
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        row = _row("llama/train-step", provider, mode, f"{batch}x{tokens}", "bf16", times,
-                   batch * tokens, settings, memory_gib=memory)  # fmt: skip
+        mode = f"compiled/{args.compile_mode}" if use_compile else "eager"
+        settings = (
+            f"{params / 1e9:.2f}B params; bf16 autocast, fused AdamW, loss from labels=; "
+            f"warmup={args.warmup} reps={args.reps}"
+        )
+        with kernels_of(provider, copy.deepcopy(master).to(device)) as model:
+            call = torch.compile(model, mode=args.compile_mode) if use_compile else model
+            optimizer = make_optimizer(model)
+            data = torch.randint(0, sizes["vocab_size"], (batch, tokens), device=device)
+            try:
+                times = time_calls(
+                    lambda: train_step(call, optimizer, data, device), args.warmup, args.reps, device
+                )
+                memory = torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None
+            except torch.OutOfMemoryError:
+                times, settings, memory = [math.nan], "OOM", None
+            row = _row("llama/train-step", provider, mode, f"{batch}x{tokens}", "bf16", times,
+                       batch * tokens, settings, memory_gib=memory)  # fmt: skip
+            optimizer = call = data = None  # free the optimizer state and compiled graphs
         emit(row)
+    if not args.largest_batch:
+        return
+    tokens = args.largest_batch
+    for provider in progress(providers, "largest batch", str):
+        free_device_memory(device)
+        with kernels_of(provider, copy.deepcopy(master).to(device)) as model:
+            batch = largest_batch(model, tokens, sizes["vocab_size"], device)
+        emit(
+            results.Row(
+                kernel="llama/largest-batch", provider=provider, mode="eager",
+                x=f"{tokens} tokens", dtype="bf16", p20=batch, p50=batch, p80=batch,
+                unit="sequences", throughput=batch * tokens, throughput_unit="tokens",
+                config=f"{params / 1e9:.2f}B params; the largest batch whose train step fits, "
+                "to within 1/8",
+            )
+        )  # fmt: skip
 
 
 def plot(rows: list[results.Row], path: Path) -> Path:

@@ -1,0 +1,151 @@
+"""``apply_llmsys``: every llmsys kernel that fits, put into a Hugging Face model in one call."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import MethodType
+
+from torch import nn
+
+from . import forwards
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = ("llama", "mistral", "qwen2")
+PARTS = ("attention", "mlp", "rms_norm", "rotary", "loss")
+
+
+def _family_classes() -> dict[str, tuple[type, ...]]:
+    """The transformers classes each part replaces a forward of, over the three families."""
+    try:
+        modules = [
+            importlib.import_module(f"transformers.models.{f}.modeling_{f}") for f in FAMILIES
+        ]
+    except ImportError as error:
+        raise ImportError("llmsys.hf needs transformers: pip install 'llmsys-hf'") from error
+    names = {
+        "decoder_layer": "DecoderLayer",
+        "attention": "Attention",
+        "rms_norm": "RMSNorm",
+        "causal_lm": "ForCausalLM",
+    }
+    prefixes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+    return {
+        part: tuple(
+            getattr(module, prefixes[family] + suffix)
+            for family, module in zip(FAMILIES, modules, strict=True)
+        )
+        for part, suffix in names.items()
+    }
+
+
+def _patch(module: nn.Module, forward) -> bool:
+    """Bind ``forward`` to this one module; False if it has it already."""
+    bound = module.__dict__.get("forward")
+    if getattr(bound, "__func__", None) is forward:
+        return False
+    module.forward = MethodType(forward, module)
+    return True
+
+
+def apply_llmsys(
+    model: nn.Module,
+    *,
+    attention: bool = True,
+    mlp: bool = True,
+    rms_norm: bool = True,
+    rotary: bool = True,
+    loss: bool = True,
+) -> dict[str, list[str]]:
+    """Put every llmsys kernel that fits into a Llama-, Mistral- or Qwen2-family model, in place.
+
+    Args:
+        model: a transformers ``LlamaForCausalLM``, ``MistralForCausalLM`` or
+            ``Qwen2ForCausalLM`` (or their base ``*Model``, or any module holding their decoder
+            layers).
+        attention: ``attn_implementation="llmsys_fa2"`` (``llmsys.flash_attn2.hf``).
+        mlp: the gated MLPs through the fused SwiGLU (``llmsys.kernels_swiglu.hf``).
+        rms_norm: every RMSNorm through ``llmsys.kernels_fused.rms_norm``, the residual add
+            after attention fused into the post-attention norm.
+        rotary: q and k rotated by ``llmsys.kernels_fused.rotary`` in one launch.
+        loss: with ``labels=``, the causal-LM loss from the hidden states through
+            ``llmsys.kernels_fused.causal_lm_loss``: the logits are never materialised, and
+            the output's ``logits`` is ``None``. Without labels the logits come as before.
+
+    Returns:
+        What was replaced: for each part, the names of the modules it replaced (also logged at
+        INFO by the ``llmsys.hf.apply`` logger). Calling it again replaces nothing more.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or a part's switch is not a bool.
+        ValueError: the model has no decoder layer of the three families, or a part does not fit
+            it (an MLP activation other than SiLU, partial rotary, no causal-LM head for
+            ``loss``); nothing is replaced then.
+        ImportError: transformers is not installed.
+
+    Each replaced forward is bound to its module instance: other models in the process keep
+    transformers' code. A forward with a KV cache (generation) runs transformers' attention
+    with llmsys attention; the model works under ``torch.compile``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_llmsys: `model` must be an nn.Module, got {type(model).__name__}")
+    switches = dict(attention=attention, mlp=mlp, rms_norm=rms_norm, rotary=rotary, loss=loss)
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"apply_llmsys: `{name}` must be a bool, got {type(value).__name__}")
+    classes = _family_classes()
+    named = list(model.named_modules())
+
+    def of(part: str) -> list[tuple[str, nn.Module]]:
+        return [(n, m) for n, m in named if type(m) in classes[part]]
+
+    layers = of("decoder_layer")
+    if not layers:
+        found = sorted({type(m).__name__ for _, m in named if "DecoderLayer" in type(m).__name__})
+        raise ValueError(
+            "apply_llmsys: `model` must hold Llama-, Mistral- or Qwen2-family decoder layers "
+            f"(LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer), got "
+            f"{', '.join(found) or 'none'} in {type(model).__name__}"
+        )
+    config = layers[0][1].self_attn.config
+    if rotary and getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            "apply_llmsys: `rotary` fits full-width rotary embeddings only, got "
+            f"partial_rotary_factor={config.partial_rotary_factor}; pass rotary=False"
+        )
+    heads = of("causal_lm")
+    if loss and not heads:
+        raise ValueError(
+            f"apply_llmsys: `loss` needs a causal-LM model (LlamaForCausalLM, ...), got "
+            f"{type(model).__name__}; pass loss=False"
+        )
+    report: dict[str, list[str]] = {part: [] for part in PARTS}
+    if mlp:  # first: it checks every MLP and raises before changing anything
+        from llmsys.kernels_swiglu.hf import SwiGLUGatedMLP, patch_gated_mlps
+
+        if not all(isinstance(layer.mlp, SwiGLUGatedMLP) for _, layer in layers):
+            patch_gated_mlps(model)
+            report["mlp"] = [f"{n}.mlp" for n, _ in layers]
+    if attention:
+        from llmsys.flash_attn2.hf import ATTN_IMPLEMENTATION, register
+
+        if config._attn_implementation != ATTN_IMPLEMENTATION:
+            if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
+                model.set_attn_implementation(register())
+            else:
+                config._attn_implementation = register()
+            report["attention"] = [f"{n}.self_attn" for n, _ in layers]
+    if rms_norm:
+        report["rms_norm"] = [n for n, m in of("rms_norm") if _patch(m, forwards.rms_norm_forward)]
+        for _, layer in layers:
+            _patch(layer, forwards.decoder_layer_forward)
+    if rotary:
+        report["rotary"] = [n for n, m in of("attention") if _patch(m, forwards.attention_forward)]
+    if loss:
+        report["loss"] = [n or type(m).__name__ for n, m in heads if _patch(m, forwards.causal_lm_forward)]
+    logger.info(
+        "apply_llmsys: %s",
+        "; ".join(f"{part}: {len(names)} replaced" for part, names in report.items()),
+    )
+    return report

@@ -1,0 +1,133 @@
+"""The forwards ``apply_llmsys`` puts on a Llama-, Mistral- or Qwen2-family model's modules.
+
+Each is bound to one module instance (``module.forward = MethodType(...)``), so other models of
+the same class in the process keep transformers' code. Each does what transformers' forward of
+that module does, with an llmsys kernel where one fits, and hands every case it does not cover
+to transformers' own forward of the module's class:
+
+    RMSNorm         ``rms_norm`` (llmsys.kernels_fused); with ``residual=`` the add before it too
+    decoder layer   the residual add after attention fused into the post-attention RMSNorm
+    attention       q, k and v projections, ``rotary`` on q and k in one launch, the attention
+                    implementation the config names (``llmsys_fa2`` after ``apply_llmsys``)
+                    and the output projection; with a KV cache: transformers' forward
+    causal LM       with ``labels=``, the loss from the last hidden states through
+                    ``causal_lm_loss`` (the logits never exist); without labels, or with
+                    ``logits_to_keep``: transformers' forward
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from llmsys.kernels_fused import causal_lm_loss, rms_norm, rotary
+
+
+def rms_norm_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+    """``LlamaRMSNorm.forward``; with ``residual``, returns ``(norm(hidden + residual), sum)``."""
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=residual)
+
+
+def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``LlamaDecoderLayer.forward`` with the add after attention fused into the next norm.
+
+    The keyword arguments go to the attention as transformers' layer passes them. The add after
+    the MLP stays a plain add: the next layer receives one tensor, as transformers' model loop
+    hands it over."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
+    return residual + self.mlp(hidden_states)
+
+
+def _interface(module: nn.Module):
+    """The attention function ``config._attn_implementation`` names, as transformers picks it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = module.config._attn_implementation
+    if name in (None, "eager"):
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """``LlamaAttention.forward`` (and Mistral's and Qwen2's) with the fused rotary kernel.
+
+    With a KV cache (generation) the class's own forward runs, with transformers' rotary."""
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        return type(self).forward(
+            self, hidden_states, position_embeddings, attention_mask, **kwargs
+        )
+    kwargs.pop("cache", None)
+    kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = rotary(query, key, cos, sin)
+    # Qwen2 keeps its window per layer, Mistral in the config, Llama has none.
+    window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
+    output, weights = _interface(self)(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=self.attention_dropout if self.training else 0.0,
+        scaling=self.scaling,
+        sliding_window=window,
+        **kwargs,
+    )
+    output = output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(output), weights
+
+
+def _output_with_cache(outputs, **fields):
+    """A ``CausalLMOutputWithPast`` carrying ``outputs``' cache under the field name of the
+    installed transformers (``cache`` from 5.2x, ``past_key_values`` before)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    for name in ("cache", "past_key_values"):
+        if name in CausalLMOutputWithPast.__dataclass_fields__:
+            fields[name] = getattr(outputs, name, None)
+            break
+    return CausalLMOutputWithPast(**fields)
+
+
+def causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
+    """``LlamaForCausalLM.forward`` whose loss never materialises the logits.
+
+    With ``labels`` (and no ``logits_to_keep``), the loss comes from the last hidden states
+    and ``lm_head``'s weight through ``causal_lm_loss``, as transformers' ``ForCausalLMLoss``
+    defines it (shifted labels, ``ignore_index=-100``, ``num_items_in_batch``), and ``logits`` is
+    ``None``. Anything else (no labels, ``logits_to_keep``, an ``lm_head`` that is no longer an
+    ``nn.Linear``, as after int8 quantization) runs the class's own forward.
+    """
+    head = self.lm_head
+    if labels is None or logits_to_keep or args or type(head) is not nn.Linear:
+        return type(self).forward(
+            self, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs
+        )
+    loss_kwargs = {
+        name: kwargs.pop(name) for name in ("num_items_in_batch", "ignore_index") if name in kwargs
+    }
+    outputs = self.model(input_ids, **kwargs)
+    loss = causal_lm_loss(outputs.last_hidden_state, head.weight, labels, bias=head.bias, **loss_kwargs)
+    return _output_with_cache(
+        outputs,
+        loss=loss,
+        logits=None,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )

@@ -1,0 +1,131 @@
+"""apply_llmsys on tiny Llama, Mistral and Qwen2 models (random weights) against the same models
+as transformers builds them: logits, loss and every gradient."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from llmsys.hf import apply_llmsys
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=64,
+    attn_implementation="sdpa",
+)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+
+
+def build(family: str, **overrides) -> nn.Module:
+    config_class, model_class = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(config_class(**(TINY | overrides)))
+    with torch.no_grad():  # norm gains and biases away from their initial ones and zeros
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def batch(vocab: int = 97, ignored: bool = True):
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (2, 9), generator=generator)
+    labels = tokens.clone()
+    if ignored:
+        labels[0, :3] = -100  # a prompt the loss ignores
+    return tokens, labels
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_loss_and_gradients_match_transformers(family):
+    stock = build(family)
+    ours = copy.deepcopy(stock)
+    report = apply_llmsys(ours)
+    assert all(report[part] for part in ("attention", "mlp", "rms_norm", "rotary", "loss"))
+    assert "forward" not in stock.model.layers[0].self_attn.__dict__  # only `ours` changed
+    tokens, labels = batch()
+
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens).logits, stock(tokens).logits, atol=1e-5, rtol=1e-4)
+
+    expected = stock(tokens, labels=labels)
+    got = ours(tokens, labels=labels)
+    assert got.logits is None  # the fused loss never built them
+    torch.testing.assert_close(got.loss, expected.loss, atol=1e-6, rtol=1e-5)
+    got.loss.backward()
+    expected.loss.backward()
+    for (name, p), q in zip(ours.named_parameters(), stock.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_num_items_in_batch_and_ignore_index_follow_transformers():
+    stock = build("llama")
+    ours = copy.deepcopy(stock)
+    apply_llmsys(ours)
+    tokens, labels = batch()
+    for kwargs in ({"num_items_in_batch": torch.tensor(11)}, {"ignore_index": 5}):
+        expected = stock(tokens, labels=labels, **kwargs).loss
+        torch.testing.assert_close(ours(tokens, labels=labels, **kwargs).loss, expected)
+
+
+def test_generation_with_a_cache_matches_transformers():
+    stock = build("qwen2")
+    ours = copy.deepcopy(stock)
+    apply_llmsys(ours)
+    tokens, _ = batch()
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(
+        ours.generate(tokens[:1], **settings), stock.generate(tokens[:1], **settings)
+    )
+
+
+def test_a_second_call_replaces_nothing_and_parts_can_be_left_out():
+    model = build("mistral")
+    report = apply_llmsys(model, attention=False, loss=False)
+    assert report["attention"] == [] and report["loss"] == []
+    assert report["rms_norm"] == ["model.layers.0.input_layernorm",
+                                  "model.layers.0.post_attention_layernorm",
+                                  "model.layers.1.input_layernorm",
+                                  "model.layers.1.post_attention_layernorm",
+                                  "model.norm"]  # fmt: skip
+    assert model.config._attn_implementation == "sdpa"
+    again = apply_llmsys(model, attention=False, loss=False)
+    assert not any(again.values())
+
+
+def test_refusals_name_the_problem_and_change_nothing():
+    with pytest.raises(TypeError, match="`model` must be an nn.Module"):
+        apply_llmsys("llama")
+    with pytest.raises(TypeError, match="`loss` must be a bool"):
+        apply_llmsys(build("llama"), loss=1)
+    with pytest.raises(ValueError, match="decoder layers .* got none in Linear"):
+        apply_llmsys(nn.Linear(3, 4))
+
+    gelu = build("llama", hidden_act="gelu")
+    before = {n: type(m) for n, m in gelu.named_modules()}
+    with pytest.raises(ValueError, match="activation"):
+        apply_llmsys(gelu)
+    assert {n: type(m) for n, m in gelu.named_modules()} == before
+    assert not any("forward" in m.__dict__ for m in gelu.modules())
+
+    base = build("llama").model  # LlamaModel: no head, so no loss to fuse
+    with pytest.raises(ValueError, match="`loss` needs a causal-LM model"):
+        apply_llmsys(base)
+    assert apply_llmsys(base, loss=False)["rotary"]
+
+    partial = build("llama")
+    partial.config.partial_rotary_factor = 0.5
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+        apply_llmsys(partial)
