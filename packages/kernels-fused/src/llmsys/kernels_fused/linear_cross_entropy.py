@@ -264,6 +264,10 @@ def _check(op, hidden, weight, target, bias, ignore_index, label_smoothing, redu
         )
     for name, t in (("weight", weight), ("target", target), ("bias", bias)):
         checks.same_device(op, name, t, "hidden", hidden)
+    _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size)
+
+
+def _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size) -> None:
     checks.integer(op, "ignore_index", ignore_index, -(2**63))
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, float | int):
         raise TypeError(
@@ -583,6 +587,8 @@ def linear_cross_entropy(
         checks.same_dtype(op, "weight", weight, "hidden", hidden)
     if chunk_size is None and weight.dim() == 2:
         chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
+    # Before the dispatcher, whose own errors for the scalars name no argument.
+    _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size)
     flags = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     args = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size)
     if wants_grad(hidden, weight, bias):
