@@ -47,8 +47,8 @@ def assert_within_twice_eager(ours, eager, exact, dtype):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("mode", ["bf16", "autocast", "fp32"])
 @pytest.mark.parametrize(("v", "h", "n"), SIZES, ids=lambda x: str(x))
-def test_llama_sizes_within_twice_eager(v, h, n, mode, smoothing):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_llama_sizes_within_twice_eager(v, h, n, mode, smoothing, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     dtype = torch.float32 if mode == "fp32" else torch.bfloat16
     if mode == "fp32" and v > 100_000:
         n = 1024  # float32 eager's logits at 128256 classes: keep the float64 reference in memory
@@ -136,3 +136,17 @@ def test_op_replays_in_a_cuda_graph():
     got = replay_in_cuda_graph(call, static, fresh)
     expected = call(*fresh)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def test_weight_gradient_accumulates_in_float32_through_cublas():
+    # torch >= 2.8 accepts addmm(fp32, bf16, bf16, out_dtype=fp32); where it does not, the
+    # 16-bit weight gradient takes the slower path that rounds each chunk's product (DECISIONS).
+    import importlib
+
+    lce = importlib.import_module("llmsys.kernels_fused.linear_cross_entropy")
+    assert lce._fp32_addmm_works(torch.device("cuda"))
+    acc = torch.zeros(3, 5, device="cuda")
+    a, b = torch.randn(3, 7, device="cuda").bfloat16(), torch.randn(7, 5, device="cuda").bfloat16()
+    lce._accumulate(acc, a, b)
+    lce._accumulate(acc, a, b)
+    torch.testing.assert_close(acc, 2 * (a.float() @ b.float()), rtol=1e-5, atol=1e-5)

@@ -210,16 +210,17 @@ _addmm_fp32_out: dict[int, bool] = {}  # device index -> whether cuBLAS adds 16-
 
 
 def _fp32_addmm_works(device: torch.device) -> bool:
-    """Whether ``torch.addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32)`` runs here (torch
-    versions differ on the dtype they allow for the added matrix). Probed once per device with
-    1x1 matrices; a refused call fails in its argument checks, before any launch."""
+    """Whether ``torch.addmm(fp32, bf16, bf16, out_dtype=fp32, out=fp32)`` is accepted here
+    (torch versions differ on the dtype they allow for the added matrix). Probed once per device
+    with 1x1 matrices: a refused call fails in its host-side argument checks, before any launch,
+    and the probe never synchronizes (it may run inside a CUDA graph capture)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _addmm_fp32_out:
         acc = torch.ones(1, 1, device=device)
-        two = torch.full((1, 1), 2.0, device=device, dtype=torch.bfloat16)
+        one = torch.ones(1, 1, device=device, dtype=torch.bfloat16)
         try:
-            torch.addmm(acc, two, two, out_dtype=torch.float32, out=acc)
-            _addmm_fp32_out[index] = bool(acc.item() == 5.0)  # once per process, not per call
+            torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+            _addmm_fp32_out[index] = True
         except (RuntimeError, TypeError):
             _addmm_fp32_out[index] = False
     return _addmm_fp32_out[index]
