@@ -5,6 +5,14 @@ projection fused with cross-entropy so the logits are never materialised.
 Importing this package registers its ``torch.ops.llmsys_fused`` ops.
 """
 
+from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
+from .reference import linear_cross_entropy_reference
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "causal_lm_loss",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+]
