@@ -5,6 +5,22 @@ projection fused with cross-entropy so the logits are never materialised.
 Importing this package registers its ``torch.ops.llmsys_fused`` ops.
 """
 
+from .modules import RMSNorm
+from .reference import (
+    rms_norm_backward_reference,
+    rms_norm_quantize_int8_reference,
+    rms_norm_reference,
+)
+from .rms_norm import rms_norm, rms_norm_quantize_int8
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "RMSNorm",
+    "__version__",
+    "rms_norm",
+    "rms_norm_backward_reference",
+    "rms_norm_quantize_int8",
+    "rms_norm_quantize_int8_reference",
+    "rms_norm_reference",
+]
