@@ -153,9 +153,9 @@ def rms_norm_bwd_kernel(
 ):
     """Program p takes row blocks p, p + P, ...; for each row (h = x * rstd, dh = g * w):
 
-        c  = sum(dh * h) / N
-        dx = rstd * (dh - h * c) (+ grad_s)
-        dw_partial[p] += g * round(h)          (summed over programs by torch afterwards)
+    c  = sum(dh * h) / N
+    dx = rstd * (dh - h * c) (+ grad_s)
+    dw_partial[p] += g * round(h)          (summed over programs by torch afterwards)
     """
     pid = tl.program_id(0)
     x_dtype = x_ptr.dtype.element_ty
@@ -346,7 +346,7 @@ def launch_config(M: int, N: int, max_block_n: int) -> tuple[int, int, bool, int
     block_m = min(max(1, ROW_BLOCK_ELEMENTS // block_n), next_power_of_2(M))
     elements = block_m * block_n
     num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
-    return block_m, block_n, N <= block_n, num_warps
+    return block_m, block_n, block_n >= N, num_warps
 
 
 def _max_programs(t: torch.Tensor) -> int:
@@ -548,7 +548,8 @@ def _rms_norm_quantize_int8_fake(x, weight, eps, residual):
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 rms_norm_fwd = define_op(
     _lib,
-    "rms_norm_fwd(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor, Tensor)",
+    "rms_norm_fwd(Tensor x, Tensor weight, float eps, Tensor? residual) "
+    "-> (Tensor, Tensor, Tensor)",
     _rms_norm_fwd,
     _rms_norm_fwd_fake,
 )
