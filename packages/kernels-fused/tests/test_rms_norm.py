@@ -30,6 +30,7 @@ from llmsys_dev.device import ON_GPU
 pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:divide by zero encountered in divide:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning"),
 ]
 
 # The module (the package's `rms_norm` attribute is the function of that name).
@@ -100,6 +101,11 @@ def inputs(size, dtype, device, weight_dtype=None, residual=False):
 
 def as_tuple(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
+
+
+def kernel_runs(device) -> bool:
+    """False on CPU without TRITON_INTERPRET=1, where the ops run the eager reference."""
+    return device == "cuda" or rms_module.CPU_RUNS_TRITON
 
 
 def exact_bits_here(dtype) -> bool:
@@ -177,11 +183,17 @@ def test_non_contiguous_inputs_match_contiguous(device):
     weight = rand((33,), torch.float32, device)
     y, s = rms_norm(x, weight, residual=r)
     y_c, s_c = rms_norm(x.contiguous(), weight, residual=r.contiguous())
-    assert torch.equal(y, y_c) and torch.equal(s, s_c) and y.is_contiguous()
+    assert y.is_contiguous() and torch.equal(s, s_c)
+    if kernel_runs(device):  # (eager sums a transposed row in another order)
+        assert torch.equal(y, y_c)
+    else:
+        torch.testing.assert_close(y, y_c)
 
 
 def test_nan_poison_reaches_outputs(monkeypatch, device, poisoned_allocations):
     # Guards the fixture: with the kernel launch removed, the outputs stay NaN.
+    if not kernel_runs(device):
+        pytest.skip("the eager fallback launches no kernel")
     monkeypatch.setattr(rms_module, "launch", lambda *args, **kwargs: None)
     x, weight, r = inputs(((3,), 7), torch.float32, device, residual=True)
     y, s = rms_norm(x, weight, residual=r)

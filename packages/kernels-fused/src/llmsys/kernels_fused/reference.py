@@ -71,7 +71,7 @@ def rms_norm_backward_reference(
         ``dx`` in ``x.dtype`` and ``dweight`` in ``weight.dtype``.
     """
     compute = _compute_dtype(x.dtype)
-    x2 = x.reshape(-1, x.shape[-1]).to(compute)  # (M, N)
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).to(compute)  # (M, N)
     g = grad_y.reshape(x2.shape).to(compute)  # (M, N)
     r = rstd.to(compute)[:, None]  # (M, 1)
     h = x2 * r  # (M, N)
