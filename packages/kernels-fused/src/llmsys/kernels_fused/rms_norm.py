@@ -330,22 +330,31 @@ _SUPPORTED = frozenset(DTYPES)
 CPU_RUNS_TRITON = runs_under_interpreter(rms_norm_fwd_kernel)
 
 # Longest row kept in registers (ONE_PASS); longer rows are walked in chunks of this many.
-# Guesses to be measured on an H100: 16384 float32 values over 16 warps is 32 per thread (forward);
-# the backward holds x, g, w and the dweight sums, hence half.
+# The forward holds one float32 row: 16384 over 16 warps is 104 registers a thread on sm_90
+# (ptxas -v, no spills). The backward holds x, g, w and the dweight sums: 8192 over 32 warps is
+# 64 registers, over 16 warps 128 (so one program per SM either way), over 8 warps 254.
 MAX_BLOCK_N = 16384
 MAX_BLOCK_N_BWD = 8192
 ROW_BLOCK_ELEMENTS = 4096  # short rows: several per program, up to this many elements
-PROGRAMS_PER_SM = 2  # backward: persistent programs, each with its own dweight partial row
+# Backward programs per SM, each looping over its rows with its own dweight partial row: the
+# register counts above leave room for one program of 16-32 warps per SM.
+PROGRAMS_PER_SM = 1
 CPU_PROGRAMS = 3  # the interpreter runs programs one after another; 3 covers the partial sums
 _sm_counts: dict[int, int] = {}
 
 
-def launch_config(M: int, N: int, max_block_n: int) -> tuple[int, int, bool, int]:
-    """(BLOCK_M, BLOCK_N, ONE_PASS, num_warps) for M rows of N."""
-    block_n = min(next_power_of_2(N), max_block_n)
+def launch_config(M: int, N: int, backward: bool = False) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, ONE_PASS, num_warps) for M rows of N.
+
+    Guesses from register counts, not yet timed on an H100 (DECISIONS-rms_norm.md).
+    """
+    block_n = min(next_power_of_2(N), MAX_BLOCK_N_BWD if backward else MAX_BLOCK_N)
     block_m = min(max(1, ROW_BLOCK_ELEMENTS // block_n), next_power_of_2(M))
     elements = block_m * block_n
-    num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+    if backward:  # 256 elements a warp: 8 float32 values of each tensor a thread
+        num_warps = min(32, max(4, elements // 256))
+    else:
+        num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
     return block_m, block_n, block_n >= N, num_warps
 
 
@@ -437,7 +446,7 @@ def _rms_norm_fwd(x, weight, eps, residual):
         res2, s = x2, x.new_empty(0)
     else:
         res2, s = _rows(residual), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, one_pass, num_warps = launch_config(M, N, MAX_BLOCK_N)
+    block_m, block_n, one_pass, num_warps = launch_config(M, N)
     constexprs = {
         "HAS_RESIDUAL": residual is not None,
         "BLOCK_M": block_m,
@@ -487,7 +496,7 @@ def _rms_norm_bwd(grad_y, grad_s, x, weight, rstd):
     x2, g2 = _rows(x), _rows(grad_y)  # (M, N)
     M, N = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, one_pass, num_warps = launch_config(M, N, MAX_BLOCK_N_BWD)
+    block_m, block_n, one_pass, num_warps = launch_config(M, N, backward=True)
     programs = min(cdiv(M, block_m), _max_programs(x))
     if programs == 0:  # no rows: no launch, and dweight is an empty sum
         return dx, torch.zeros_like(weight)
@@ -524,7 +533,7 @@ def _rms_norm_quantize_int8(x, weight, eps, residual):
         res2, s = x2, x.new_empty(0)
     else:
         res2, s = _rows(residual), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, one_pass, num_warps = launch_config(M, N, MAX_BLOCK_N)
+    block_m, block_n, one_pass, num_warps = launch_config(M, N)
     constexprs = {
         "HAS_RESIDUAL": residual is not None,
         "BLOCK_M": block_m,
