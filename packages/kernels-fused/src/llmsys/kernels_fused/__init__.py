@@ -6,13 +6,26 @@ Importing this package registers its ``torch.ops.llmsys_fused`` ops.
 """
 
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
-from .reference import linear_cross_entropy_reference
+from .modules import RMSNorm
+from .reference import (
+    linear_cross_entropy_reference,
+    rms_norm_backward_reference,
+    rms_norm_quantize_int8_reference,
+    rms_norm_reference,
+)
+from .rms_norm import rms_norm, rms_norm_quantize_int8
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "RMSNorm",
     "__version__",
     "causal_lm_loss",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "rms_norm",
+    "rms_norm_backward_reference",
+    "rms_norm_quantize_int8",
+    "rms_norm_quantize_int8_reference",
+    "rms_norm_reference",
 ]

@@ -1,10 +1,132 @@
-"""The executable specs: each fused op in plain eager PyTorch. Tests and benchmarks compare
-against these."""
+"""The executable spec: each fused op written plainly in eager PyTorch. Tests and benchmarks
+compare against these; on CPU without ``TRITON_INTERPRET=1`` the public functions run them."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+# --- RMSNorm -------------------------------------------------------------------------------------
+
+INT8_QMAX = 127  # symmetric int8: q in [-127, 127]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Hugging Face upcasts to float32; float64 inputs stay float64 (the tests' exact reference).
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face Llama's RMSNorm, optionally after the decoder layer's residual add.
+
+    ``y = weight * (x32 * rsqrt(mean(x32**2, -1) + eps)).to(x.dtype)`` with ``x32 = x.float()``:
+    the normalised value is rounded to ``x.dtype`` before the multiply, and the output dtype is
+    ``torch.promote_types(weight.dtype, x.dtype)`` (float32 for bfloat16 x under autocast with a
+    float32 weight). With ``residual``, ``s = x + residual`` in ``x.dtype`` is normalised instead
+    and returned too.
+
+    Args:
+        x: (..., N) float16, bfloat16 or float32 (float64 for the tests' exact reference).
+        weight: (N,).
+        eps: added to the mean square.
+        residual: None, or a tensor of ``x``'s shape and dtype.
+
+    Returns:
+        ``y`` (..., N), or ``(y, s)`` with ``residual``.
+    """
+    s = x if residual is None else x + residual
+    s32 = s.to(_compute_dtype(s.dtype))
+    variance = s32.pow(2).mean(-1, keepdim=True)
+    y = weight * (s32 * torch.rsqrt(variance + eps)).to(s.dtype)
+    return y if residual is None else (y, s)
+
+
+def rms_norm_backward_reference(
+    grad_y: torch.Tensor,
+    grad_s: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`rms_norm_reference` from the saved per-row ``rstd``, in float32.
+
+    With ``h = x * rstd``: ``dh = grad_y * weight``,
+    ``dx = rstd * (dh - h * mean(dh * h, -1)) (+ grad_s)`` and
+    ``dweight = sum over rows of grad_y * h.to(x.dtype)`` (the rounding is the forward's).
+
+    Args:
+        grad_y: (..., N), the gradient of ``y``.
+        grad_s: None, or (..., N): the gradient of ``s`` from its other uses (residual path).
+        x: (..., N), the normalised input (``s`` with a residual).
+        weight: (N,).
+        rstd: (M,) float32, ``1 / sqrt(mean(x**2) + eps)`` per row, rows flattened.
+
+    Returns:
+        ``dx`` in ``x.dtype`` and ``dweight`` in ``weight.dtype``.
+    """
+    compute = _compute_dtype(x.dtype)
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).to(compute)  # (M, N)
+    g = grad_y.reshape(x2.shape).to(compute)  # (M, N)
+    r = rstd.to(compute)[:, None]  # (M, 1)
+    h = x2 * r  # (M, N)
+    dh = g * weight.to(compute)  # (M, N)
+    dx = r * (dh - h * (dh * h).mean(-1, keepdim=True))  # (M, N)
+    if grad_s is not None:
+        dx = dx + grad_s.reshape(x2.shape).to(compute)
+    dweight = (g * h.to(x.dtype).to(compute)).sum(0)  # (N,)
+    return dx.to(x.dtype).reshape(x.shape), dweight.to(weight.dtype)
+
+
+def quantize_rows_int8_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 quantization, the same rule as ``llmsys.kernels_int8``'s.
+
+    ``scale = max|row| / 127`` in float32, rounded to ``y.dtype``; ``q = round_half_even(y /
+    scale)`` (dividing by the stored scale) clamped to [-127, 127]. A row whose scale is 0 gives
+    zeros; a row holding a NaN or Inf gets a NaN scale and zeros.
+
+    Args:
+        y: (M, N) float16, bfloat16 or float32.
+
+    Returns:
+        ``q`` (M, N) int8, contiguous, and ``scale`` (M,) in ``y.dtype``.
+    """
+    y32 = y.float()  # (M, N)
+    amax = y32.abs().amax(dim=1) if y.shape[1] else y32.new_zeros(y.shape[0])  # (M,)
+    # Divide by a tensor: CUDA turns `tensor / python_scalar` into a multiply by the reciprocal.
+    scale = amax / torch.full_like(amax, INT8_QMAX)  # (M,)
+    scale = torch.where(amax.isfinite(), scale, torch.nan).to(y.dtype)  # (M,)
+    s32 = scale.float()[:, None]  # (M, 1)
+    nonzero = s32 > 0  # False for NaN
+    q = (y32 / torch.where(nonzero, s32, 1.0)).clamp(-INT8_QMAX, INT8_QMAX).round()  # (M, N)
+    q = torch.where(nonzero, q, 0.0)
+    return q.to(torch.int8).contiguous(), scale
+
+
+def rms_norm_quantize_int8_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`quantize_rows_int8_reference` of :func:`rms_norm_reference`'s output.
+
+    Returns:
+        ``(q, scale)``, or ``(q, scale, s)`` with ``residual``: ``q`` (M, N) int8 with the leading
+        dims of ``x`` flattened to M, ``scale`` (M,) in the normalised output's dtype, ``s`` the
+        sum ``x + residual`` in ``x``'s shape.
+    """
+    out = rms_norm_reference(x, weight, eps, residual)
+    y, rest = (out, ()) if residual is None else (out[0], out[1:])
+    q, scale = quantize_rows_int8_reference(y.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
+    return (q, scale, *rest)
+
 
 # --- fused linear cross-entropy -------------------------------------------------------------------
 

@@ -1,0 +1,44 @@
+"""``nn.Module`` wrappers of the fused ops."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmsys.triton_launch import checks
+
+from .rms_norm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """A drop-in for transformers' ``LlamaRMSNorm``: the same attributes (``weight``, ones at
+    first, and ``variance_epsilon``), the same state dict, the Triton :func:`rms_norm`.
+
+    Args:
+        hidden_size: N, the size of the normalised last dim.
+        eps: added to the mean square. Default 1e-6.
+        device, dtype: of ``weight`` (default: torch's defaults).
+
+    ``forward(hidden_states, residual=None)`` returns ``rms_norm(hidden_states, weight, eps)``,
+    or with ``residual`` the pair ``(normalised, hidden_states + residual)``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        checks.positive_int("RMSNorm", "hidden_size", hidden_size)
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
