@@ -33,7 +33,7 @@ def build(family: str, **overrides) -> nn.Module:
     torch.manual_seed(0)
     model = model_class(config_class(**(TINY | overrides)))
     with torch.no_grad():  # norm gains and biases away from their initial ones and zeros
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
     return model
@@ -106,11 +106,11 @@ def test_a_second_call_replaces_nothing_and_parts_can_be_left_out():
 
 
 def test_refusals_name_the_problem_and_change_nothing():
-    with pytest.raises(TypeError, match="`model` must be an nn.Module"):
+    with pytest.raises(TypeError, match=r"`model` must be an nn\.Module"):
         apply_llmsys("llama")
-    with pytest.raises(TypeError, match="`loss` must be a bool"):
+    with pytest.raises(TypeError, match=r"`loss` must be a bool"):
         apply_llmsys(build("llama"), loss=1)
-    with pytest.raises(ValueError, match="decoder layers .* got none in Linear"):
+    with pytest.raises(ValueError, match=r"decoder layers .* got none in Linear"):
         apply_llmsys(nn.Linear(3, 4))
 
     gelu = build("llama", hidden_act="gelu")
@@ -127,5 +127,5 @@ def test_refusals_name_the_problem_and_change_nothing():
 
     partial = build("llama")
     partial.config.partial_rotary_factor = 0.5
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.5"):
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5"):
         apply_llmsys(partial)

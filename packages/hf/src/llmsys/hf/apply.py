@@ -143,7 +143,9 @@ def apply_llmsys(
     if rotary:
         report["rotary"] = [n for n, m in of("attention") if _patch(m, forwards.attention_forward)]
     if loss:
-        report["loss"] = [n or type(m).__name__ for n, m in heads if _patch(m, forwards.causal_lm_forward)]
+        report["loss"] = [
+            n or type(m).__name__ for n, m in heads if _patch(m, forwards.causal_lm_forward)
+        ]
     logger.info(
         "apply_llmsys: %s",
         "; ".join(f"{part}: {len(names)} replaced" for part, names in report.items()),

@@ -120,10 +120,14 @@ def causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0
             self, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs
         )
     loss_kwargs = {
-        name: kwargs.pop(name) for name in ("num_items_in_batch", "ignore_index") if name in kwargs
+        name: kwargs.pop(name)
+        for name in ("num_items_in_batch", "ignore_index", "shift_labels")
+        if name in kwargs
     }
     outputs = self.model(input_ids, **kwargs)
-    loss = causal_lm_loss(outputs.last_hidden_state, head.weight, labels, bias=head.bias, **loss_kwargs)
+    loss = causal_lm_loss(
+        outputs.last_hidden_state, head.weight, labels, lm_head_bias=head.bias, **loss_kwargs
+    )
     return _output_with_cache(
         outputs,
         loss=loss,

@@ -36,12 +36,13 @@ def rms_norm_reference(
         x: (..., N) float16, bfloat16 or float32 (float64 for the tests' exact reference).
         weight: (N,).
         eps: added to the mean square.
-        residual: None, or a tensor of ``x``'s shape and dtype.
+        residual: None, or a tensor of ``x``'s shape (any of the dtypes; the sum is rounded to
+            ``x``'s, as an in-place ``x += residual`` would be).
 
     Returns:
         ``y`` (..., N), or ``(y, s)`` with ``residual``.
     """
-    s = x if residual is None else x + residual
+    s = x if residual is None else (x + residual).to(x.dtype)
     s32 = s.to(_compute_dtype(s.dtype))
     variance = s32.pow(2).mean(-1, keepdim=True)
     y = weight * (s32 * torch.rsqrt(variance + eps)).to(s.dtype)

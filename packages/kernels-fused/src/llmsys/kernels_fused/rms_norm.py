@@ -89,7 +89,7 @@ def _sum_of_squares(x_ptr, res_ptr, s_ptr, row_off, row_mask, N, HAS_RESIDUAL: t
 def rms_norm_fwd_kernel(
     # pointers
     x_ptr,  # (M, N) float16 / bfloat16 / float32, contiguous
-    res_ptr,  # (M, N) x's dtype, or x_ptr when there is no residual
+    res_ptr,  # (M, N) any float dtype, or x_ptr when there is no residual
     w_ptr,  # (N,)
     y_ptr,  # (M, N) promote(x, weight) dtype
     s_ptr,  # (M, N) x's dtype: x + residual (unused without residual)
@@ -259,7 +259,7 @@ def _quantize_int8(y, scale, USE_LIBDEVICE: tl.constexpr):
 def rms_norm_quantize_int8_kernel(
     # pointers
     x_ptr,  # (M, N) float16 / bfloat16 / float32, contiguous
-    res_ptr,  # (M, N) x's dtype, or x_ptr when there is no residual
+    res_ptr,  # (M, N) any float dtype, or x_ptr when there is no residual
     w_ptr,  # (N,)
     q_ptr,  # (M, N) int8
     scale_ptr,  # (M,) promote(x, weight) dtype: the dtype y is rounded to before quantizing
@@ -389,8 +389,7 @@ def check_inputs(op: str, x, weight, eps, residual) -> None:
     if not _eps_ok(float(eps)):
         raise ValueError(f"{op}: `eps` must be finite and at least 0, got {eps}")
     if residual is not None:
-        checks.tensor(op, "residual", residual)
-        checks.same_dtype(op, "residual", residual, "x", x)
+        checks.tensor(op, "residual", residual, DTYPES)  # any float dtype: s is in x's
         checks.same_shape(op, "residual", residual, "x", x)
         checks.same_device(op, "residual", residual, "x", x)
 
@@ -413,7 +412,7 @@ def _valid(x, weight, eps, residual) -> bool:
         return False
     return residual is None or (
         type(residual) is torch.Tensor
-        and residual.dtype == x.dtype
+        and residual.dtype in _SUPPORTED
         and residual.shape == x.shape
         and residual.get_device() == device
     )
@@ -635,7 +634,8 @@ def rms_norm(
         weight: (N,) float16, bfloat16 or float32 (float32 with bfloat16 ``x`` under autocast),
             on ``x``'s device.
         eps: a float >= 0 added to the mean square (an int is taken as a float). Default 1e-6.
-        residual: None, or a tensor of ``x``'s shape, dtype and device.
+        residual: None, or a tensor of ``x``'s shape and device, in any of the dtypes (the sum
+            is rounded to ``x``'s: under autocast, the float32 stream plus a bfloat16 output).
 
     Returns:
         ``y`` of ``x``'s shape in ``torch.promote_types(x.dtype, weight.dtype)``, contiguous; with
@@ -679,7 +679,7 @@ def rms_norm_quantize_int8(
         x: (..., N) float16, bfloat16 or float32.
         weight: (N,) float16, bfloat16 or float32, on ``x``'s device.
         eps: a float >= 0. Default 1e-6.
-        residual: None, or a tensor of ``x``'s shape, dtype and device (added first).
+        residual: None, or a tensor of ``x``'s shape and device, any of the dtypes (added first).
 
     Returns:
         ``(q, scale)``, or ``(q, scale, s)`` with ``residual``: ``q`` (M, N) int8 contiguous,

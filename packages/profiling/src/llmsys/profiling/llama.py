@@ -1,7 +1,8 @@
-"""Our kernels inside a Hugging Face Llama (issue 12's targets): random weights from a config.
+"""Our kernels inside a Hugging Face Llama: random weights from a config.
 
-The model: hidden 2048, intermediate 5632, 16 layers, 16 heads, 4 KV heads, vocab 32000
-(transformers' LlamaForCausalLM, untied embeddings). Every case runs in this one process, the
+The model (``--model``): 0.85b, hidden 2048, intermediate 5632, 16 layers, 16 heads, 4 KV heads,
+vocab 32000, untied embeddings; or 3b, Llama-3.2-3B's shape (hidden 3072, 28 layers, 24 heads,
+8 KV heads, vocab 128256, tied). Every case runs in this one process, the
 providers of a case side by side; times are medians of per-call CUDA-event times after warm-up.
 
 inference  float16, SDPA attention. ``fp16`` is the model as built; ``int8`` is a copy with
@@ -14,11 +15,14 @@ inference  float16, SDPA attention. ``fp16`` is the model as built; ``int8`` is 
            weights in float32), beside a float32 reference of the same W8A8 scheme (the int8
            model's quantized weights; activations quantized in float32, the integer product in
            float64).
-training   bf16 autocast over float32 weights, fused AdamW, a full step (forward, loss, backward,
-           optimizer). ``stock`` is SDPA attention and transformers' MLP; ``llmsys`` is the same
-           model after ``attn_implementation="llmsys_fa2"`` (llmsys.flash_attn2.hf) and
-           ``patch_gated_mlps`` (llmsys.kernels_swiglu.hf). Batches 4 x 2048 and 1 x 8192,
-           eagerly and under ``torch.compile``.
+training   bf16 autocast over float32 weights, fused AdamW, a full step (forward with
+           ``labels=``, so each provider computes its own loss; backward; optimizer). ``stock`` is
+           the model as transformers builds it (SDPA attention); ``llmsys`` the same weights
+           after ``llmsys.hf.apply_llmsys``; ``liger`` after Liger-Kernel's
+           ``apply_liger_kernel_to_llama(model=...)`` (when liger-kernel is installed). Each
+           case copies the model from the CPU to the device alone, so its peak memory is its
+           own. Batches 4 x 2048 and 1 x 8192, eagerly and under ``torch.compile``;
+           ``--largest-batch 2048`` also finds each provider's largest batch that fits.
 
 Writes ``<out>/llama.csv`` (after every case, so a cut-off run keeps what it measured) and
 ``<out>/llama.png`` (speed-ups, when matplotlib is installed). ``--quick`` runs a tiny Llama at
@@ -43,7 +47,7 @@ from llmsys.bench_harness import results
 
 from .options import non_negative_int, positive_int
 from .progress import progress
-from .training import free_device_memory, lm_loss, make_optimizer, synchronize
+from .training import free_device_memory, make_optimizer, synchronize
 
 HELP = "a 0.85B Hugging Face Llama: int8 inference and training with our kernels"
 LLAMA = dict(
@@ -56,6 +60,17 @@ LLAMA = dict(
     max_position_embeddings=8192,
     tie_word_embeddings=False,
 )
+# Llama-3.2-3B's shape (head dim 128, tied embeddings), for the training comparison.
+LLAMA_3B = LLAMA | dict(
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=28,
+    num_attention_heads=24,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
+MODELS = {"0.85b": LLAMA, "3b": LLAMA_3B}
 TINY = LLAMA | dict(
     hidden_size=64,
     intermediate_size=128,
@@ -70,6 +85,7 @@ SIZES = {  # prefill (batch, tokens), decode (sequences, cached tokens), trainin
     "quick": dict(prefill=(2, 16), decode=(2, 16), train=[(2, 32)]),
 }
 PARTS = ("inference", "training")
+TRAIN_PROVIDERS = ("stock", "llmsys", "liger")
 
 
 def add_arguments(parser) -> None:
@@ -91,6 +107,28 @@ def add_arguments(parser) -> None:
         "--train-shape",
         nargs="+",
         help="training batches as BxT (default: 4x2048 1x8192; with --quick, 2x32)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="0.85b",
+        help="the Llama config: 0.85b (hidden 2048, 16 layers, vocab 32000) or 3b "
+        "(Llama-3.2-3B's shape, vocab 128256); default 0.85b",
+    )
+    parser.add_argument(
+        "--providers",
+        nargs="+",
+        choices=TRAIN_PROVIDERS,
+        default=list(TRAIN_PROVIDERS),
+        help="training providers (default: all; liger needs liger-kernel installed)",
+    )
+    parser.add_argument(
+        "--largest-batch",
+        type=non_negative_int,
+        default=0,
+        metavar="TOKENS",
+        help="also find each training provider's largest batch of TOKENS-token sequences "
+        "(eager; 0, the default: skip)",
     )
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed calls per case")
     parser.add_argument("--reps", type=positive_int, default=20, help="timed calls per case")
@@ -280,9 +318,6 @@ def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
         )  # fmt: skip
 
 
-TRAIN_PROVIDERS = ("stock", "llmsys", "liger")
-
-
 def _liger():
     """Liger-Kernel's patch for Llama, or None when liger-kernel is not installed."""
     try:
@@ -391,7 +426,10 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
             data = torch.randint(0, sizes["vocab_size"], (batch, tokens), device=device)
             try:
                 times = time_calls(
-                    lambda: train_step(call, optimizer, data, device), args.warmup, args.reps, device
+                    lambda: train_step(call, optimizer, data, device),
+                    args.warmup,
+                    args.reps,
+                    device,
                 )
                 memory = torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None
             except torch.OutOfMemoryError:
@@ -438,7 +476,7 @@ def plot(rows: list[results.Row], path: Path) -> Path:
 
 
 def run(args) -> list[results.Row]:
-    sizes = TINY if args.quick else LLAMA
+    sizes = TINY if args.quick else MODELS[args.model]
     shapes = dict(SIZES["quick" if args.quick else "full"])
     if args.train_shape:
         shapes["train"] = [tuple(int(n) for n in s.lower().split("x")) for s in args.train_shape]
