@@ -5,6 +5,15 @@ projection fused with cross-entropy so the logits are never materialised.
 Importing this package registers its ``torch.ops.llmsys_fused`` ops.
 """
 
+from .reference import rotary_backward_reference, rotary_reference
+from .rotary import apply_rotary_pos_emb, rotary
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    "apply_rotary_pos_emb",
+    "rotary",
+    "rotary_backward_reference",
+    "rotary_reference",
+]
