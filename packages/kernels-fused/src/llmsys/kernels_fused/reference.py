@@ -1,4 +1,4 @@
-"""The executable spec: each fused op in plain eager PyTorch. Tests and benchmarks compare with it."""
+"""The executable spec: each fused op in plain eager PyTorch. Tests compare with it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_half_transposed(y: torch.Tensor) -> torch.Tensor:
-    """``cat(y2, -y1)``: the transpose of ``rotate_half`` (and its inverse), used by the backward."""
+    """``cat(y2, -y1)``: the transpose (and inverse) of ``rotate_half``, used by the backward."""
     half = y.shape[-1] // 2
     return torch.cat((y[..., half:], -y[..., :half]), dim=-1)
 

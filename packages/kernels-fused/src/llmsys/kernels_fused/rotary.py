@@ -18,7 +18,8 @@ transposed rotation (``reference.rotary_backward_reference``)::
 
 q and k are read through their strides (Hugging Face's q is ``q_proj(x).view(B, S, H, D)
 .transpose(1, 2)``, not contiguous) and the outputs are ``torch.empty_like`` of the inputs: the
-input's memory layout when it is dense (as eager's elementwise ops keep it), else contiguous.
+input's strides when it is dense, else dense strides in the input's order of dims (as eager's
+elementwise ops lay out their outputs). The gradients likewise take the incoming gradients'.
 
 Reading order: kernel -> launcher and checks -> registered ops and fakes -> autograd -> public.
 """
@@ -211,8 +212,7 @@ def check_inputs(op: str, names: tuple[str, str], q, k, cos, sin) -> None:
     checks.same_dtype(op, k_name, k, q_name, q)
     if cos.dtype not in (q.dtype, torch.float32):
         raise TypeError(
-            f"{op}: `cos` must have the dtype of `{q_name}` ({q.dtype}) or float32, "
-            f"got {cos.dtype}"
+            f"{op}: `cos` must have the dtype of `{q_name}` ({q.dtype}) or float32, got {cos.dtype}"
         )
     checks.same_dtype(op, "sin", sin, "cos", cos)
     for name, t in ((q_name, q), (k_name, k)):
@@ -442,11 +442,11 @@ def rotary(
 
     Returns:
         ``(q_out, k_out)`` with the shapes and dtype of ``q`` and ``k`` (also when ``cos`` is
-        float32, where eager would promote to float32), each in its input's memory layout when
-        that is dense (``torch.empty_like``: Hugging Face's transposed q gives an output laid out
-        as ``(B, S, Hq, D)`` in memory, as eager's would be), else contiguous. Computed in float32
-        (float64 for float64) and rounded once: in bfloat16 more accurate than eager's three
-        roundings.
+        float32, where eager would promote to float32), each laid out as ``torch.empty_like``
+        of its input: the input's strides when dense (Hugging Face's transposed q gives an
+        output laid out as ``(B, S, Hq, D)`` in memory, as eager's would be), else dense in the
+        input's order of dims. Computed in float32 (float64 for float64) and rounded once: in
+        bfloat16 more accurate than eager's three roundings.
 
     Raises:
         TypeError: an argument is not a tensor, the dtype is unsupported, ``k``'s dtype differs
