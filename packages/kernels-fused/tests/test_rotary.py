@@ -309,11 +309,13 @@ def test_non_contiguous_cos_sin_and_batch_broadcast(device):
     torch.testing.assert_close(rotary(q, k, cos.expand(2, 5, 8), sin_x), expected)
 
 
-def test_head_loop_over_several_blocks_matches_one_block(monkeypatch, device):
+def test_head_loop_over_several_blocks_matches_one_block(monkeypatch, request, device):
     # 6 q heads and 2 k heads in steps of one head, against all heads in one step.
     q, k, cos, sin = make_inputs((2, 6, 2, 3, 8), torch.float32, device)
     expected = rotary(q, k, cos, sin)
     monkeypatch.setattr(rotary_module, "TILE_ELEMENTS", 1)
+    rotary_module.launch_config.cache_clear()
+    request.addfinalizer(rotary_module.launch_config.cache_clear)
     assert rotary_module.launch_config(6, 2, 8) == (1, 1, 4)
     got = rotary(q, k, cos, sin)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))

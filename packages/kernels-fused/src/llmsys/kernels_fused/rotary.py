@@ -26,6 +26,8 @@ Reading order: kernel -> launcher and checks -> registered ops and fakes -> auto
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -279,6 +281,7 @@ def _valid(q, k, cos, sin) -> bool:
     )
 
 
+@functools.lru_cache(maxsize=64)  # a model has a handful of shapes; this runs on every call
 def launch_config(n_q_heads: int, n_k_heads: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF): whole heads per loop step, up to TILE_ELEMENTS."""
     block_half = next_power_of_2(head_dim // 2)
