@@ -9,9 +9,10 @@ that is, per half of the last dim::
 
     out1 = x1 * cos1 - x2 * sin1               out2 = x2 * cos2 + x1 * sin2
 
-Eager runs six elementwise kernels per tensor and rounds three times in bfloat16. Here one
-program per (batch, position) loads that position's ``cos`` and ``sin`` once and rotates every
-head of q and then of k, in float32, rounding once. The backward is the same kernel with the
+Eager launches five kernels per tensor (mul, neg, cat, mul, add), each a pass over memory, and
+rounds three times in bfloat16. Here one program per (batch, position) loads that position's
+``cos`` and ``sin`` once and rotates every head of q and then of k, in float32, rounding once:
+q and k are read once and written once. The backward is the same kernel with the
 transposed rotation (``reference.rotary_backward_reference``)::
 
     grad_x1 = g1 * cos1 + g2 * sin2            grad_x2 = g2 * cos2 - g1 * sin1
