@@ -27,12 +27,13 @@ rotary_fwd = torch.ops.llmsys_fused.rotary_fwd
 rotary_bwd = torch.ops.llmsys_fused.rotary_bwd
 
 # (B, Hq, Hk, S, D): one position, grouped- and multi-query heads, an odd half-dim (D = 6 masks
-# the last lane of a 4-wide half), odd head counts and sequence lengths.
+# the last lane of a 4-wide half), odd head counts and sequence lengths, the largest head_dim.
 SHAPES = [
     (1, 3, 3, 1, 4),
     (2, 6, 2, 5, 8),
     (1, 6, 2, 33, 6),
     (2, 5, 1, 3, 64),
+    (1, 2, 1, 2, 256),
 ]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # An absolute floor on top of "2 x eager's error", for ties (an exactly representable result,
