@@ -12,14 +12,18 @@ from .reference import (
     rms_norm_backward_reference,
     rms_norm_quantize_int8_reference,
     rms_norm_reference,
+    rotary_backward_reference,
+    rotary_reference,
 )
 from .rms_norm import rms_norm, rms_norm_quantize_int8
+from .rotary import apply_rotary_pos_emb, rotary
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RMSNorm",
     "__version__",
+    "apply_rotary_pos_emb",
     "causal_lm_loss",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
@@ -28,4 +32,7 @@ __all__ = [
     "rms_norm_quantize_int8",
     "rms_norm_quantize_int8_reference",
     "rms_norm_reference",
+    "rotary",
+    "rotary_backward_reference",
+    "rotary_reference",
 ]
