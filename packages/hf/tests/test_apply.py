@@ -75,9 +75,12 @@ def test_num_items_in_batch_and_ignore_index_follow_transformers():
     ours = copy.deepcopy(stock)
     apply_llmsys(ours)
     tokens, labels = batch()
-    for kwargs in ({"num_items_in_batch": torch.tensor(11)}, {"ignore_index": 5}):
-        expected = stock(tokens, labels=labels, **kwargs).loss
-        torch.testing.assert_close(ours(tokens, labels=labels, **kwargs).loss, expected)
+    expected = stock(tokens, labels=labels, num_items_in_batch=torch.tensor(11)).loss
+    got = ours(tokens, labels=labels, num_items_in_batch=torch.tensor(11)).loss
+    torch.testing.assert_close(got, expected)
+    labels = torch.where(tokens % 3 == 0, 5, tokens)  # token 5 stands for "ignore" here
+    expected = stock(tokens, labels=labels, ignore_index=5).loss
+    torch.testing.assert_close(ours(tokens, labels=labels, ignore_index=5).loss, expected)
 
 
 def test_generation_with_a_cache_matches_transformers():
