@@ -115,11 +115,13 @@ def inputs(op: str, shape: tuple, tokens: int, device: str, dtype, grad: bool):
     return (h, w, t), (h, w), flops
 
 
-def _scalar(out):
-    """A tensor to call backward on: the output, or the sum of a tuple's outputs' sums."""
-    if isinstance(out, tuple):
-        return sum(o.float().sum() for o in out)
-    return out.float().sum() if out.dim() else out
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _gradients_like(out) -> tuple:
+    """Random gradients for an op's outputs (a tensor or a tuple); a scalar loss gets 1."""
+    return tuple(torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in _as_tuple(out))
 
 
 def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[harness.Row]:
@@ -146,9 +148,10 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
                     with torch.no_grad():
                         return fn(*args)
             else:
+                grads = _gradients_like(fn(*args))
 
-                def step(fn=fn):
-                    _scalar(fn(*args)).backward()
+                def step(fn=fn, grads=grads):
+                    torch.autograd.backward(_as_tuple(fn(*args)), grads)
 
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()

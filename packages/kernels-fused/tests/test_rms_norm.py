@@ -428,7 +428,7 @@ BAD_CASES = [
     ({"eps": -1e-6}, ValueError, "`eps` must be finite and at least 0, got -1e-06"),
     ({"eps": float("nan")}, ValueError, "`eps` must be finite"),
     ({"residual": 3.0}, TypeError, "`residual` must be a torch.Tensor, got float"),
-    ({"residual": ((5, 8), torch.bfloat16)}, TypeError, "`residual` must have the dtype of `x`"),
+    ({"residual": ((5, 8), torch.int32)}, TypeError, "`residual` must have dtype in"),
     ({"residual": ((5, 7), torch.float32)}, ValueError, "`residual` must have the shape of `x`"),
 ]
 
@@ -550,3 +550,19 @@ def test_opcheck_differentiable(device):
     x, weight, r = inputs(((5,), 33), torch.float32, device, residual=True)
     args = (x.requires_grad_(), weight.requires_grad_(), 1e-6, r.requires_grad_())
     torch.library.opcheck(fwd_op.default, args)
+
+
+def test_a_residual_of_another_dtype_adds_into_x_dtype(device):
+    """Under autocast the residual stream is float32 and the attention's output bfloat16: the
+    sum is rounded to ``x``'s dtype, as ``x + residual`` then ``.to(x.dtype)``, and each input's
+    gradient comes back in its own dtype."""
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    residual = torch.randn(5, 8, device=device).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(8, device=device)
+    y, s = rms_norm(x, weight, 1e-6, residual=residual)
+    assert s.dtype == torch.float32
+    torch.testing.assert_close(s, x + residual.float())
+    torch.testing.assert_close(y, rms_norm_reference(x + residual.float(), weight, 1e-6))
+    (y.sum() + s.sum()).backward()
+    assert residual.grad.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    torch.testing.assert_close(residual.grad, x.grad.to(torch.bfloat16))

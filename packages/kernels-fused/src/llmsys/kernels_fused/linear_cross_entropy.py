@@ -187,7 +187,7 @@ def _rows(logits, target, losses, n_valid, ignore_index, label_smoothing, mean, 
     if write_grad:
         grad = torch.exp(z - lse[:, None]) - label_smoothing / n_cols
         grad.scatter_add_(1, safe_target, grad.new_full(safe_target.shape, label_smoothing - 1))
-        scale = 1 / n_valid if mean else 1.0
+        scale = 1 / n_valid.to(losses.dtype) if mean else 1.0  # not a float32 quotient
         logits.copy_(torch.where(valid[:, None], grad * scale, 0.0))
 
 
