@@ -455,7 +455,10 @@ def test_failed_call_leaves_inputs_unchanged():
 
 
 def test_default_chunk_size():
-    assert lce.default_chunk_size(8192, 128256, 4096) == 1024  # 8192 / 32 = 256, raised
-    assert lce.default_chunk_size(65536, 128256, 4096) == 2048
-    assert lce.default_chunk_size(10**7, 32000, 4096) == 8192
-    assert lce.default_chunk_size(13, 37, 16) == 1024  # one chunk
+    assert lce.default_chunk_size(8192, 128256, 2) == 4096  # 4096 x 128256 bf16 logits: 1 GiB
+    assert lce.default_chunk_size(65536, 128256, 4) == 2048  # float32 logits: half the rows
+    assert lce.default_chunk_size(10**7, 32000, 2) == 8192  # at most MAX_CHUNK rows
+    assert lce.default_chunk_size(8192, 32000, 2) == 8192
+    assert lce.default_chunk_size(5000, 32000, 2) == 8192  # the first power of two >= N
+    assert lce.default_chunk_size(13, 37, 4) == 1024  # at least MIN_CHUNK: one chunk
+    assert lce.default_chunk_size(8192, 10**6, 2) == 1024  # even where that is over 1 GiB

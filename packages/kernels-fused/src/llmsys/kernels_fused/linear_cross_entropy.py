@@ -29,7 +29,6 @@ from triton.language.extra import libdevice
 
 from llmsys.triton_launch import (
     call_below_autograd,
-    cdiv,
     checks,
     define_op,
     launch,
@@ -47,6 +46,7 @@ REDUCTIONS = ("mean", "sum")
 MAX_BLOCK_V = 4096
 # Bounds of the default chunk (rows of logits at a time), see default_chunk_size.
 MIN_CHUNK, MAX_CHUNK = 1024, 8192
+CHUNK_BYTES = 1 << 30  # a chunk's logits: vocab 32000 in bf16 at 8192 rows, 128256 at 4096
 
 
 # --- the row kernel -------------------------------------------------------------------------------
@@ -194,16 +194,21 @@ def _rows(logits, target, losses, n_valid, ignore_index, label_smoothing, mean, 
 # --- the chunk loop: the op's implementation ------------------------------------------------------
 
 
-def default_chunk_size(n_tokens: int, vocab_size: int, hidden_size: int) -> int:
-    """Rows of logits per chunk when ``chunk_size`` is None.
+def default_chunk_size(n_tokens: int, vocab_size: int, itemsize: int) -> int:
+    """Rows of logits per chunk when ``chunk_size`` is None: the most rows (a power of two,
+    from ``MIN_CHUNK`` to ``MAX_CHUNK``) whose logits fit ``CHUNK_BYTES``, and no more than the
+    tokens need.
 
-    A chunk's logits are about the size of ``hidden``: ``N / ceil(V / H)`` rows, rounded up to
-    a power of two. At least ``MIN_CHUNK`` rows, so the three matmuls per chunk stay large enough
-    for the tensor cores and the float32 weight-gradient accumulator (read and written once per
-    chunk) is not rewritten too often; at most ``MAX_CHUNK`` rows.
+    Each chunk reads and writes the float32 weight-gradient accumulator once (8 V H bytes), so
+    fewer, larger chunks are faster; each row of a chunk costs V logits of memory. Timed on an
+    H100, forward and backward at 8192 tokens under bf16 autocast: vocab 32000 x hidden 2048
+    took 6.99 / 6.98 / 5.90 / 5.57 ms at 1024 / 2048 / 4096 / 8192 rows (0.55 to 0.89 GiB above
+    the inputs), vocab 128256 x hidden 3072 38.4 / 34.7 / 32.7 / 32.5 ms (3.0 to 4.2 GiB).
     """
-    rows = next_power_of_2(cdiv(n_tokens, cdiv(vocab_size, hidden_size)))
-    return min(max(rows, MIN_CHUNK), MAX_CHUNK)
+    rows = MIN_CHUNK
+    while rows < min(MAX_CHUNK, n_tokens) and 2 * rows * vocab_size * itemsize <= CHUNK_BYTES:
+        rows *= 2
+    return rows
 
 
 _addmm_fp32_out: dict[int, bool] = {}  # device index -> whether cuBLAS adds 16-bit products to fp32
@@ -552,8 +557,8 @@ def linear_cross_entropy(
         label_smoothing: in [0, 1], as ``F.cross_entropy``. Default 0.0.
         reduction: "mean" (over the targets that are not ignored; NaN when there are none, as
             ``F.cross_entropy``) or "sum". Default "mean".
-        chunk_size: tokens per chunk, at least 1; None: ``default_chunk_size(N, V, H)`` (a
-            chunk's logits about the size of ``hidden``, 1024 to 8192 rows).
+        chunk_size: tokens per chunk, at least 1; None: ``default_chunk_size`` (1024 to 8192
+            rows, a chunk's logits at most 1 GiB where 1024 rows fit).
 
     Returns:
         The 0-d loss: float32 (float64 for float64 inputs).
@@ -567,8 +572,8 @@ def linear_cross_entropy(
             target is not checked (that would synchronize): its row's loss and gradients are
             NaN, so the loss is NaN.
 
-    Memory: one chunk of logits in the matmul dtype, the gradients, and for 16-bit weights a
-    float32 accumulator of the weight gradient (4 V H bytes). Works under
+    Memory: one chunk of logits in the matmul dtype (at most 1 GiB by default), the gradients,
+    and for 16-bit weights a float32 accumulator of the weight gradient (4 V H bytes). Works under
     ``torch.compile(fullgraph=True)`` and in CUDA graphs (no host sync). Double backward is not
     supported, nor a second backward through the same graph.
     """
@@ -587,7 +592,7 @@ def linear_cross_entropy(
     elif weight.dtype != hidden.dtype:
         checks.same_dtype(op, "weight", weight, "hidden", hidden)
     if chunk_size is None and weight.dim() == 2:
-        chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], hidden.shape[1])
+        chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], hidden.element_size())
     # Before the dispatcher, whose own errors for the scalars name no argument.
     _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size)
     flags = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)

@@ -336,9 +336,11 @@ CPU_RUNS_TRITON = runs_under_interpreter(rms_norm_fwd_kernel)
 MAX_BLOCK_N = 16384
 MAX_BLOCK_N_BWD = 8192
 ROW_BLOCK_ELEMENTS = 4096  # short rows: several per program, up to this many elements
-# Backward programs per SM, each looping over its rows with its own dweight partial row: the
-# register counts above leave room for one program of 16-32 warps per SM.
-PROGRAMS_PER_SM = 1
+# Backward programs per SM, each looping over its rows with its own dweight partial row. Timed on
+# an H100 at 8192 rows of 2048 / 3072 / 4096 bf16 (DECISIONS.md): 2 per SM with 512 elements a
+# warp took 56 / 80 / 91 us, against 69 / 105 / 116 us for one per SM with 256 a warp; 4 and 8
+# per SM, or 8192 elements a row block, were slower.
+PROGRAMS_PER_SM = 2
 CPU_PROGRAMS = 3  # the interpreter runs programs one after another; 3 covers the partial sums
 _sm_counts: dict[int, int] = {}
 
@@ -346,13 +348,14 @@ _sm_counts: dict[int, int] = {}
 def launch_config(M: int, N: int, backward: bool = False) -> tuple[int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, ONE_PASS, num_warps) for M rows of N.
 
-    Guesses from register counts, not yet timed on an H100 (DECISIONS-rms_norm.md).
+    The backward's were timed on an H100 (see PROGRAMS_PER_SM); the forward's were within 1%
+    of each other for 2048 to 8192 elements a row block.
     """
     block_n = min(next_power_of_2(N), MAX_BLOCK_N_BWD if backward else MAX_BLOCK_N)
     block_m = min(max(1, ROW_BLOCK_ELEMENTS // block_n), next_power_of_2(M))
     elements = block_m * block_n
-    if backward:  # 256 elements a warp: 8 float32 values of each tensor a thread
-        num_warps = min(32, max(4, elements // 256))
+    if backward:  # 512 elements a warp: 16 values of each tensor a thread
+        num_warps = min(32, max(4, elements // 512))
     else:
         num_warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
     return block_m, block_n, block_n >= N, num_warps

@@ -197,9 +197,11 @@ def rotary_kernel(
 CPU_RUNS_TRITON = runs_under_interpreter(rotary_kernel)
 
 # Elements of one half-tile (BLOCK_H x BLOCK_HALF) per step of the head loop: 32 heads of
-# D = 128 (Llama's q) in one step, on 4 warps 16 float32 values per thread per half.
+# D = 128 (Llama's q) in one step. Timed on an H100 at 4 x 2048 tokens, D = 128, 16 q / 4 kv and
+# 24 q / 8 kv heads: 512 to 4096 elements were within 1%; 2 warps 36 / 53 us a call, 4 warps
+# 38 / 54, 8 warps 40 / 57 (2.3-2.5 TB/s).
 TILE_ELEMENTS = 2048
-NUM_WARPS = 4
+NUM_WARPS = 2
 
 
 def check_inputs(op: str, names: tuple[str, str], q, k, cos, sin) -> None:

@@ -35,6 +35,7 @@ import contextlib
 import copy
 import inspect
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -84,12 +85,26 @@ SIZES = {  # prefill (batch, tokens), decode (sequences, cached tokens), trainin
     "full": dict(prefill=(8, 512), decode=(8, 512), train=[(4, 2048), (1, 8192)]),
     "quick": dict(prefill=(2, 16), decode=(2, 16), train=[(2, 32)]),
 }
-PARTS = ("inference", "training")
+PARTS = ("inference", "training", "curve")
 TRAIN_PROVIDERS = ("stock", "llmsys", "liger")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--part", nargs="+", choices=PARTS, default=list(PARTS), help="what to run")
+    parser.add_argument(
+        "--part",
+        nargs="+",
+        choices=PARTS,
+        default=["inference", "training"],
+        help="what to run: inference, training, and curve (the loss over --curve-steps steps on "
+        "one fixed batch for stock eager and compiled, llmsys and Liger); default inference "
+        "and training",
+    )
+    parser.add_argument(
+        "--curve-steps", type=positive_int, default=200, help="steps of the loss curve (200)"
+    )
+    parser.add_argument(
+        "--curve-shape", default="2x1024", help="the loss curve's batch as BxT (default 2x1024)"
+    )
     parser.add_argument(
         "--quick", action="store_true", help="a tiny Llama at tiny sizes (a smoke test)"
     )
@@ -434,6 +449,10 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
                 memory = torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None
             except torch.OutOfMemoryError:
                 times, settings, memory = [math.nan], "OOM", None
+            except Exception as error:  # a peer failing (Liger under torch.compile) is a result
+                reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                print(f"llama: {provider} {mode} failed: {reason}")
+                times, settings, memory = [math.nan], f"failed: {reason}", None
             row = _row("llama/train-step", provider, mode, f"{batch}x{tokens}", "bf16", times,
                        batch * tokens, settings, memory_gib=memory)  # fmt: skip
             optimizer = call = data = None  # free the optimizer state and compiled graphs
@@ -454,6 +473,71 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
                 "to within 1/8",
             )
         )  # fmt: skip
+
+
+CURVES = (("stock", False), ("stock", True), ("llmsys", False), ("liger", False))
+
+
+def loss_curves(args, sizes: dict, emit: Callable, out: Path) -> None:
+    """Train each of ``CURVES`` from the same weights on one fixed batch for ``--curve-steps``
+    steps; writes every step's loss to ``<out>/llama-loss-curve.csv`` and its plot, and emits one
+    row per curve: the largest gap to stock eager's loss over the steps."""
+    device = args.device
+    batch, tokens = (int(n) for n in args.curve_shape.lower().split("x"))
+    steps = 8 if args.quick else args.curve_steps
+    master = build_llama(sizes, "cpu", torch.float32).train()
+    data = torch.randint(
+        0, sizes["vocab_size"], (batch, tokens), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    curves: dict[str, list[float]] = {}
+    for provider, use_compile in progress(CURVES, "loss curves", lambda c: f"{c[0]} {c[1]}"):
+        if provider == "liger" and _liger() is None:
+            continue
+        name = f"{provider} {'compiled' if use_compile else 'eager'}"
+        free_device_memory(device)
+        with kernels_of(provider, copy.deepcopy(master).to(device)) as model:
+            call = torch.compile(model, mode=args.compile_mode) if use_compile else model
+            optimizer = make_optimizer(model)
+            losses = [train_step(call, optimizer, data, device).detach() for _ in range(steps)]
+            curves[name] = torch.stack(losses).float().tolist()
+            optimizer = call = None
+    reference = curves["stock eager"]
+    with open(out / "llama-loss-curve.csv", "w") as file:
+        file.write("step,curve,loss\n")
+        for name, losses in curves.items():
+            file.writelines(f"{i},{name},{loss!r}\n" for i, loss in enumerate(losses))
+    for name, losses in curves.items():
+        gaps = [abs(a - b) for a, b in zip(losses, reference, strict=True)]
+        emit(
+            results.Row(
+                kernel="llama/loss-curve", provider=name, mode="train",
+                x=f"{steps} steps {batch}x{tokens}", dtype="bf16", p20=min(gaps),
+                p50=statistics.median(gaps), p80=max(gaps), unit="loss gap",
+                config=f"largest gap to stock eager {max(gaps):.4f}; loss {losses[0]:.3f} -> "
+                f"{losses[-1]:.3f}; one fixed batch, bf16 autocast, fused AdamW lr 1e-4",
+            )
+        )  # fmt: skip
+    try:
+        plot_curves(curves, out / "llama-loss-curve.png")
+    except ImportError:
+        print("llama: matplotlib is not installed; no loss-curve plot")
+
+
+def plot_curves(curves: dict[str, list[float]], path: Path) -> Path:
+    """The loss per step of each curve, and each curve's difference to stock eager."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    loss_ax, gap_ax = fig.subplots(1, 2)
+    reference = curves["stock eager"]
+    for name, losses in curves.items():
+        loss_ax.plot(losses, label=name, linewidth=1)
+        gap_ax.plot([a - b for a, b in zip(losses, reference, strict=True)], label=name)
+    loss_ax.set(title="training loss, one fixed batch", xlabel="step", ylabel="loss")
+    gap_ax.set(title="loss minus stock eager's", xlabel="step", ylabel="difference")
+    loss_ax.legend(fontsize="small")
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def plot(rows: list[results.Row], path: Path) -> Path:
@@ -496,6 +580,8 @@ def run(args) -> list[results.Row]:
         free_device_memory(args.device)
     if "training" in args.part:
         training(args, sizes, shapes["train"], emit)
+    if "curve" in args.part:
+        loss_curves(args, sizes, emit, out)
     _with_speedups([r for r in rows if r.kernel in ("llama/prefill", "llama/decode")], "fp16")
     _with_speedups([r for r in rows if r.kernel == "llama/train-step"], "stock")
     try:
