@@ -1,5 +1,5 @@
 """RMSNorm on the GPU: Llama sizes, bfloat16 against eager bit for bit (or within the last bit),
-the int8 variant bit-exact in bfloat16, torch.compile (fullgraph, reduce-overhead), CUDA graphs,
+the int8 variant against quantizing rms_norm's output, torch.compile (fullgraph, reduce-overhead), CUDA graphs,
 the chunked path for long rows, and more than 2**31 elements."""
 
 import importlib
@@ -53,11 +53,13 @@ def twice_eager(ours, eager, exact, rounding_dtype, name="") -> tuple[float, flo
 def assert_near_bitwise(ours, eager, max_mismatch: float = 1e-3) -> None:
     """Equal bits except a few elements one rounding step away: the row's sum of squares is
     added in another order than eager's and rsqrt is rounded differently (eager's rsqrtf is
-    within 2 ulps, ours within 1), which flips a bfloat16 rounding now and then."""
+    within 2 ulps, ours within 1), which flips the bfloat16 rounding of the normalised value
+    now and then."""
     mismatch = (ours != eager).float().mean().item()
     assert mismatch <= max_mismatch, f"{mismatch:.2%} of the elements differ"
-    # (with a bfloat16 weight a flipped normalised value can move y by up to 2 ulps)
-    ulp = torch.finfo(ours.dtype).eps
+    # A flipped bfloat16 normalised value moves y by a bfloat16 ulp, also where a float32
+    # weight makes y float32; with a bfloat16 weight y's own rounding can add one more.
+    ulp = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(ours, eager, rtol=2 * ulp, atol=ulp * 1e-3)
 
 
@@ -157,10 +159,21 @@ def test_chunked_path_matches_one_pass(monkeypatch):
 # --- the int8 variant ----------------------------------------------------------------------------
 
 
+def assert_quantized_alike(q, scale, q_ref, scale_ref) -> None:
+    """Equal rows but for a few: the int8 kernel sums a row's squares in its own order, so its
+    1/rms can differ from rms_norm's by an ulp and flip a rounding of y (as rms_norm against
+    eager), which moves that row's scale by an ulp or one q by 1."""
+    same_rows = (scale == scale_ref) & (q == q_ref).all(dim=1)
+    assert same_rows.float().mean().item() >= 0.99, f"{(~same_rows).sum()} rows differ"
+    assert (q.int() - q_ref.int()).abs().max().item() <= 1
+    ulp = torch.finfo(scale.dtype).eps
+    torch.testing.assert_close(scale, scale_ref, rtol=2 * ulp, atol=0)
+
+
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("n", LLAMA_N)
-def test_quantize_bf16_bit_exact(n, weight_dtype, residual):
+def test_quantize_bf16_matches_quantizing_rms_norm(n, weight_dtype, residual):
     x, weight, r = inputs(ROWS, n, weight_dtype=weight_dtype, residual=residual)
     x[7] = 0.0  # an all-zero row: scale 0, q 0
     if residual:
@@ -168,8 +181,7 @@ def test_quantize_bf16_bit_exact(n, weight_dtype, residual):
     out = rms_norm_quantize_int8(x, weight, 1e-5, r)
     y = rms_norm(x, weight, 1e-5, r)
     y = y[0] if residual else y
-    q, scale = quantize_rows_int8_reference(y)
-    assert torch.equal(out[0], q) and torch.equal(out[1], scale)
+    assert_quantized_alike(*out[:2], *quantize_rows_int8_reference(y))
     assert out[1][7] == 0 and (out[0][7] == 0).all()
     if residual:
         assert torch.equal(out[2], x + r)
@@ -178,8 +190,7 @@ def test_quantize_bf16_bit_exact(n, weight_dtype, residual):
         return
     from llmsys.kernels_int8 import quantize_int8_perrow
 
-    q_int8, scale_int8 = quantize_int8_perrow(y)
-    assert torch.equal(out[0], q_int8) and torch.equal(out[1], scale_int8)
+    assert_quantized_alike(*out[:2], *quantize_int8_perrow(y))
 
 
 def test_quantize_non_finite_rows():

@@ -502,6 +502,7 @@ def loss_curves(args, sizes: dict, emit: Callable, out: Path) -> None:
             curves[name] = torch.stack(losses).float().tolist()
             optimizer = call = None
     reference = curves["stock eager"]
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "llama-loss-curve.csv", "w") as file:
         file.write("step,curve,loss\n")
         for name, losses in curves.items():
