@@ -1,6 +1,6 @@
 """RMSNorm on the GPU: Llama sizes, bfloat16 against eager bit for bit (or within the last bit),
-the int8 variant against quantizing rms_norm's output, torch.compile (fullgraph, reduce-overhead), CUDA graphs,
-the chunked path for long rows, and more than 2**31 elements."""
+the int8 variant against quantizing rms_norm's output, torch.compile (fullgraph,
+reduce-overhead), CUDA graphs, the chunked path for long rows, and more than 2**31 elements."""
 
 import importlib
 import importlib.util
