@@ -19,6 +19,14 @@ MAIN_JOB = "python tools/bench.py"
 DDP_COMMAND = "python packages/ddp/benchmarks/sweep.py (2 GPUs)"
 
 
+# The two llmsys-bench llama training runs behind h200-llama-training.csv (each side by side).
+LLAMA_TRAINING_COMMAND = (
+    "llmsys-bench llama --part training --train-shape 4x2048 --reps 10 --largest-batch 2048; "
+    "llmsys-bench llama --model 3b --part training --train-shape 2x2048 --compile off --reps 5 "
+    "--warmup 2"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Table:
     package: str
@@ -190,11 +198,25 @@ TABLES = {
     ),
     "profiling-llama-training": Table(
         "profiling",
-        "h100-llama.csv",
-        ("stock", "llmsys"),
+        "h200-llama-training.csv",
+        ("stock", "llmsys", "liger"),
         (("kernel", ("llama/train-step",)),),
         ours="llmsys",
-        command="llmsys-bench llama --reps 10",
+        command=LLAMA_TRAINING_COMMAND,
+    ),
+    "profiling-llama-largest-batch": Table(
+        "profiling",
+        "h200-llama-training.csv",
+        ("stock", "llmsys", "liger"),
+        (("kernel", ("llama/largest-batch",)),),
+        ours="llmsys",
+        command=LLAMA_TRAINING_COMMAND,
+    ),
+    "kernels-fused": Table(
+        "kernels-fused",
+        "h200.csv",
+        ("eager", "ours", "compile", "liger"),
+        (("mode", ("fwd", "fwd_bwd")),),
     ),
     "ddp": Table(
         "ddp",
@@ -319,6 +341,17 @@ ROOT_PICKS = {  # package: (GPU label, picks)
         Pick("peak saving, GiB:", "sharded-optim", "h100.csv",
              ("zero1/peak-saving", "sharded", "accounting", "", ""), field="memory_gib",
              fmt="{:.2f}"),
+    ],
+    "kernels-fused": [
+        Pick("Llama-3.2-3B loss fwd+bwd at 8192 tokens, time / eager:", "kernels-fused",
+             "h200.csv", ("loss", "ours", "fwd_bwd", "3B 8192 tokens", "bfloat16"),
+             ("loss", "eager", "fwd_bwd", "3B 8192 tokens", "bfloat16")),
+        Pick("/ Liger:", "kernels-fused", "h200.csv",
+             ("loss", "ours", "fwd_bwd", "3B 8192 tokens", "bfloat16"),
+             ("loss", "liger", "fwd_bwd", "3B 8192 tokens", "bfloat16")),
+        Pick("RMSNorm fwd+bwd there / Liger:", "kernels-fused", "h200.csv",
+             ("rms_norm", "ours", "fwd_bwd", "3B 8192 tokens", "bfloat16"),
+             ("rms_norm", "liger", "fwd_bwd", "3B 8192 tokens", "bfloat16")),
     ],
     "profiling": [
         Pick("medium ctx 1024 bf16 train step, every llmsys kernel + CUDA graphs / eager:",

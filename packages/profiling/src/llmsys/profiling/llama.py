@@ -419,6 +419,7 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
     compiled = {"off": [False], "on": [True], "both": [False, True]}[compile_choice]
     master = build_llama(sizes, "cpu", torch.float32).train()  # each case copies it to device
     params = sum(p.numel() for p in master.parameters())
+    label = "" if args.quick or args.model == "0.85b" else f"{args.model} "  # in each row's case
     providers = [p for p in args.providers if p != "liger" or _liger() is not None]
     if len(providers) < len(args.providers):
         print("llama: liger-kernel is not installed; no Liger rows (pip install liger-kernel)")
@@ -453,8 +454,9 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
                 reason = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                 print(f"llama: {provider} {mode} failed: {reason}")
                 times, settings, memory = [math.nan], f"failed: {reason}", None
-            row = _row("llama/train-step", provider, mode, f"{batch}x{tokens}", "bf16", times,
-                       batch * tokens, settings, memory_gib=memory)  # fmt: skip
+            case = f"{label}{batch}x{tokens}"
+            row = _row("llama/train-step", provider, mode, case, "bf16", times, batch * tokens,
+                       settings, memory_gib=memory)  # fmt: skip
             optimizer = call = data = None  # free the optimizer state and compiled graphs
         emit(row)
     if not args.largest_batch:
@@ -467,7 +469,7 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
         emit(
             results.Row(
                 kernel="llama/largest-batch", provider=provider, mode="eager",
-                x=f"{tokens} tokens", dtype="bf16", p20=batch, p50=batch, p80=batch,
+                x=f"{label}{tokens} tokens", dtype="bf16", p20=batch, p50=batch, p80=batch,
                 unit="sequences", throughput=batch * tokens, throughput_unit="tokens",
                 config=f"{params / 1e9:.2f}B params; the largest batch whose train step fits, "
                 "to within 1/8",
