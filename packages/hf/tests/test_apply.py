@@ -70,6 +70,63 @@ def test_logits_loss_and_gradients_match_transformers(family):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+def count_calls(monkeypatch, name: str) -> list:
+    """Count the calls of ``llmsys.hf.forwards.<name>`` (a kernels-fused function)."""
+    from llmsys.hf import forwards
+
+    calls, function = [], getattr(forwards, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return function(*args, **kwargs)
+
+    monkeypatch.setattr(forwards, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("use_cache", [None, False], ids=["default", "no-cache"])
+def test_every_fused_kernel_runs_whether_or_not_a_cache_is_made(monkeypatch, use_cache):
+    """transformers makes a KV cache in every forward unless told not to: the fused rotary must
+    run with it too (and update it), and so must the norms and the loss."""
+    stock = build("llama")
+    ours = copy.deepcopy(stock)
+    apply_llmsys(ours)
+    calls = {n: count_calls(monkeypatch, n) for n in ("rotary", "rms_norm", "causal_lm_loss")}
+    tokens, labels = batch()
+    kwargs = {} if use_cache is None else {"use_cache": use_cache}
+    got = ours(tokens, labels=labels, **kwargs)
+    assert {n: len(c) for n, c in calls.items()} == {
+        "rotary": 2, "rms_norm": 5, "causal_lm_loss": 1
+    }  # fmt: skip
+    torch.testing.assert_close(got.loss, stock(tokens, labels=labels, **kwargs).loss)
+
+
+def test_autocast_keeps_the_residual_stream_in_float32():
+    """Under bf16 autocast over float32 weights the stream between layers stays float32, as in
+    transformers' layer (float32 stream + bfloat16 attention output)."""
+    stock = build("llama")
+    ours = copy.deepcopy(stock)
+    apply_llmsys(ours)
+    tokens, _ = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = stock(tokens, output_hidden_states=True, use_cache=False)
+        got = ours(tokens, output_hidden_states=True, use_cache=False)
+    assert [h.dtype for h in got.hidden_states] == [h.dtype for h in expected.hidden_states]
+    assert all(h.dtype == torch.float32 for h in got.hidden_states)
+    torch.testing.assert_close(got.logits.float(), expected.logits.float(), atol=0.05, rtol=0.05)
+
+
+def test_return_dict_false_gives_a_tuple_as_transformers_does():
+    stock = build("llama")
+    ours = copy.deepcopy(stock)
+    apply_llmsys(ours)
+    tokens, labels = batch()
+    got = ours(tokens, labels=labels, return_dict=False)
+    expected = stock(tokens, labels=labels, return_dict=False)
+    assert isinstance(got, tuple)
+    torch.testing.assert_close(got[0], expected[0])
+
+
 def test_num_items_in_batch_and_ignore_index_follow_transformers():
     stock = build("llama")
     ours = copy.deepcopy(stock)

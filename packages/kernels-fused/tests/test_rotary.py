@@ -370,9 +370,9 @@ def test_matches_transformers_apply_rotary_pos_emb(cos_batch, device):
     )
     expected = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
     torch.testing.assert_close(apply_rotary_pos_emb(q, k, cos, sin), expected)
-    torch.testing.assert_close(
-        apply_rotary_pos_emb(q, k, cos, sin, None, unsqueeze_dim=1), expected
-    )
+    # transformers 5's signature: unsqueeze_dim fifth; position_ids only by keyword
+    torch.testing.assert_close(apply_rotary_pos_emb(q, k, cos, sin, 1), expected)
+    torch.testing.assert_close(apply_rotary_pos_emb(q, k, cos, sin, position_ids=None), expected)
 
 
 @pytest.mark.parametrize("unsqueeze_dim", [2, -2])

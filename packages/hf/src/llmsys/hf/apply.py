@@ -85,8 +85,8 @@ def apply_llmsys(
         ImportError: transformers is not installed.
 
     Each replaced forward is bound to its module instance: other models in the process keep
-    transformers' code. A forward with a KV cache (generation) runs transformers' attention
-    with llmsys attention; the model works under ``torch.compile``.
+    transformers' code. Generation with a KV cache works (llmsys_fa2 decodes one token at a
+    time); the model works under ``torch.compile``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_llmsys: `model` must be an nn.Module, got {type(model).__name__}")
@@ -138,8 +138,11 @@ def apply_llmsys(
             report["attention"] = [f"{n}.self_attn" for n, _ in layers]
     if rms_norm:
         report["rms_norm"] = [n for n, m in of("rms_norm") if _patch(m, forwards.rms_norm_forward)]
-        for _, layer in layers:
-            _patch(layer, forwards.decoder_layer_forward)
+        norm_classes = classes["rms_norm"]
+        for _, layer in layers:  # the fused add needs both of the layer's norms to be ours
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if all(type(norm) in norm_classes for norm in norms):
+                _patch(layer, forwards.decoder_layer_forward)
     if rotary:
         report["rotary"] = [n for n, m in of("attention") if _patch(m, forwards.attention_forward)]
     if loss:

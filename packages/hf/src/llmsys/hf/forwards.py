@@ -7,9 +7,9 @@ to transformers' own forward of the module's class:
 
     RMSNorm         ``rms_norm`` (llmsys.kernels_fused); with ``residual=`` the add before it too
     decoder layer   the residual add after attention fused into the post-attention RMSNorm
-    attention       q, k and v projections, ``rotary`` on q and k in one launch, the attention
-                    implementation the config names (``llmsys_fa2`` after ``apply_llmsys``)
-                    and the output projection; with a KV cache: transformers' forward
+    attention       q, k and v projections, ``rotary`` on q and k in one launch, the KV cache's
+                    update, the attention implementation the config names (``llmsys_fa2``
+                    after ``apply_llmsys``) and the output projection
     causal LM       with ``labels=``, the loss from the last hidden states through
                     ``causal_lm_loss`` (the logits never exist); without labels, or with
                     ``logits_to_keep``: transformers' forward
@@ -39,7 +39,8 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-    hidden_states, residual = self.post_attention_layernorm(hidden_states, residual=residual)
+    # The stream first: the sum takes its dtype (float32 under autocast, as stock's add).
+    hidden_states, residual = self.post_attention_layernorm(residual, residual=hidden_states)
     return residual + self.mlp(hidden_states)
 
 
@@ -62,13 +63,11 @@ def attention_forward(
 ):
     """``LlamaAttention.forward`` (and Mistral's and Qwen2's) with the fused rotary kernel.
 
-    With a KV cache (generation) the class's own forward runs, with transformers' rotary."""
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-        return type(self).forward(
-            self, hidden_states, position_embeddings, attention_mask, **kwargs
-        )
-    kwargs.pop("cache", None)
-    kwargs.pop("past_key_values", None)
+    A KV cache is updated as transformers does it: ``cache.update(..., kwargs=kwargs)`` where
+    the layer passes ``cache=`` (transformers 5.2x), ``past_key_values.update(...)`` where it
+    passes ``past_key_values=`` (5.17)."""
+    cache = kwargs.pop("cache", None)
+    legacy_cache = kwargs.pop("past_key_values", None)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -76,6 +75,10 @@ def attention_forward(
     value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     query, key = rotary(query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    elif legacy_cache is not None:
+        key, value = legacy_cache.update(key, value, self.layer_idx)
     # Qwen2 keeps its window per layer, Mistral in the config, Llama has none.
     window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
     output, weights = _interface(self)(
@@ -115,7 +118,8 @@ def causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0
     ``nn.Linear``, as after int8 quantization) runs the class's own forward.
     """
     head = self.lm_head
-    if labels is None or logits_to_keep or args or type(head) is not nn.Linear:
+    keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
+    if labels is None or not keep_all or args or type(head) is not nn.Linear:
         return type(self).forward(
             self, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs
         )
@@ -124,14 +128,18 @@ def causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0
         for name in ("num_items_in_batch", "ignore_index", "shift_labels")
         if name in kwargs
     }
-    outputs = self.model(input_ids, **kwargs)
+    return_dict = kwargs.pop("return_dict", None)
+    outputs = self.model(input_ids, return_dict=True, **kwargs)
     loss = causal_lm_loss(
         outputs.last_hidden_state, head.weight, labels, lm_head_bias=head.bias, **loss_kwargs
     )
-    return _output_with_cache(
+    output = _output_with_cache(
         outputs,
         loss=loss,
         logits=None,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    return output if return_dict else output.to_tuple()

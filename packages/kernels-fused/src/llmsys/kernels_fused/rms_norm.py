@@ -645,8 +645,8 @@ def rms_norm(
         ``residual``, the pair ``(y, s)``, ``s`` in ``x.dtype``.
 
     Raises:
-        TypeError: an argument is not a tensor (``eps``: not a float), or a dtype is unsupported
-            or ``residual``'s differs from ``x``'s.
+        TypeError: an argument is not a tensor (``eps``: not a float), or a dtype is
+            unsupported.
         ValueError: ``weight`` is not (N,), ``residual``'s shape or a device differs, or ``eps``
             is negative or not finite.
 

@@ -485,17 +485,19 @@ def apply_rotary_pos_emb(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    position_ids: torch.Tensor | None = None,
     unsqueeze_dim: int = 1,
+    *,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A drop-in for ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb``.
+    """A drop-in for ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb``, with
+    transformers 5's signature (``unsqueeze_dim`` the fifth argument).
 
     Args:
         q, k, cos, sin: as for ``rotary`` when ``unsqueeze_dim`` is 1 (or -3). With
             ``unsqueeze_dim`` 2 (or -2) q and k are ``(B, S, H, D)`` instead.
-        position_ids: ignored, as Hugging Face ignores it (``cos`` and ``sin`` already are per
-            position).
         unsqueeze_dim: the dim of q and k that ``cos`` and ``sin`` broadcast over: the heads.
+        position_ids: ignored, as transformers 4 ignored it (``cos`` and ``sin`` already are per
+            position); keyword-only, for callers written for that signature.
 
     Returns:
         ``(q_embed, k_embed)``, laid out as ``rotary`` lays them out (the dtype of ``q`` even for
