@@ -56,11 +56,11 @@ FIELD_VALUES = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.booleans(),
     st.none(),
-    st.sampled_from(["sdpa", "naive", "moe", "eager", "x"]),
+    st.sampled_from(["sdpa", "naive", "moe", "eager", "fused", "x"]),
 )
 FIELDS = [
     "vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads", "rope_theta",
-    "norm_eps", "attention", "ffn", "num_experts", "topk", "checkpoint",
+    "norm_eps", "attention", "ffn", "num_experts", "topk", "checkpoint", "norm", "rope", "loss",
 ]  # fmt: skip
 
 
@@ -176,6 +176,8 @@ def test_hardware_fields_must_be_finite(field, value):
         ({"optimizer": "sgd"}, r"`optimizer` must be one of"),
         ({"compile_mode": "fast"}, r"`compile_mode` must be one of"),
         ({"attention": "flash2"}, r"`attention` must be one of"),
+        ({"norm": "triton"}, r"`norm` must be one of \('eager', 'fused'\), got 'triton'"),
+        ({"loss": "chunked"}, r"`loss` must be one of"),
         ({"compile": "yes"}, r"`compile` must be a bool"),
         ({"preset": None}, r"`preset` must be a str"),
     ],

@@ -173,3 +173,38 @@ def test_peaks_tell_h100_variants_apart():
     assert peak_flops("NVIDIA H100 PCIe", "bf16")[0] == pytest.approx(756e12)
     assert peak_flops("NVIDIA H100 NVL", "bf16")[0] == pytest.approx(835e12)
     assert peak_flops("NVIDIA GeForce RTX 4090", "bf16")[0] is None
+
+
+def test_fused_presets_run_every_part_on_an_llmsys_kernel_eager_and_compiled(capsys):
+    args = cli.build_parser().parse_args(["e2e", "--preset", "fused", "fused-compiled"])
+    fused, compiled = options.variants(args, "bf16")
+    assert [fused.label, compiled.label] == ["fused", "fused-compiled+reduce-overhead"]
+    assert not fused.compile and compiled.compile and compiled.cuda_graphs
+    for variant in (fused, compiled):
+        config = variant.config("xl", 1024)
+        parts = (config.attention, config.ffn, config.norm, config.rope, config.loss)
+        assert parts == ("flash", "swiglu", "fused", "fused", "fused")
+    with pytest.raises(SystemExit):
+        cli.main(["e2e", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "fused every part on an llmsys kernel, no torch.compile" in help_text
+    assert "fused-compiled the same parts, torch.compile with CUDA graphs" in help_text
+    assert "--norm {eager,fused}" in help_text and "--loss {eager,fused}" in help_text
+
+
+def test_fused_loss_step_builds_no_logits(tmp_path, monkeypatch):
+    """A step of the fused preset (SDPA and eager rotary here: the interpreter is slow) gets
+    its loss from the model's hidden states: lm_head's forward never runs."""
+    calls = []
+    real_init = e2e.Runner.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.model.lm_head.register_forward_hook(lambda *_: calls.append("lm_head"))
+
+    monkeypatch.setattr(e2e.Runner, "__init__", init)
+    argv = ["e2e", *TINY_ARGS, "--preset", "fused", "--attention", "sdpa", "--rope", "eager"]
+    assert cli.main([*argv, "--steps", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    steps = [r for r in results.read_rows(tmp_path / "e2e.csv") if r.kernel == "transformer_lm"]
+    assert [r.provider for r in steps] == ["sdpa+swiglu+fused-norm+fused-loss"]
+    assert steps[0].p50 > 0 and calls == []

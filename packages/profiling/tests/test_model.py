@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from llmsys.profiling import SIZES, ModelConfig, TransformerLM, num_parameters
+from llmsys.profiling import SIZES, ModelConfig, TransformerLM, num_parameters, use_int8_linears
 from llmsys.profiling.infra.accounting import forward_flops
+from llmsys.profiling.model import TransformerBlock
 from llmsys.profiling.optimizer import AdamW
 from llmsys.profiling.reference import transformer_lm_reference
-from llmsys.profiling.training import autocast, lm_loss, random_batch
+from llmsys.profiling.training import autocast, lm_loss, random_batch, step_loss
 
 # Odd sizes on purpose: 13 tokens, 3 heads of width 8, d_ff 40.
 TINY = ModelConfig(
@@ -18,7 +19,7 @@ TINY = ModelConfig(
 def loss_and_grads(model, tokens, targets, dtype="fp32"):
     model.zero_grad(set_to_none=True)
     with autocast(dtype, "cpu"):
-        loss = lm_loss(model(tokens), targets)
+        loss = step_loss(model, model.config, tokens, targets)  # eager loss: lm_loss(logits)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -65,6 +66,11 @@ def test_logits_depend_only_on_earlier_tokens():
         ({"ffn": "swiglu"}, "fp32", 1e-5),
         ({"attention": "flash", "ffn": "swiglu"}, "bf16", 2e-2),
         ({"checkpoint": True}, "fp32", 1e-6),
+        # llmsys.kernels_fused: on the float32 residual stream the same formulas as eager
+        ({"norm": "fused", "checkpoint": True}, "fp32", 1e-5),  # (x, branch) through checkpoint
+        ({"rope": "fused"}, "fp32", 1e-5),
+        ({"loss": "fused"}, "fp32", 1e-5),
+        (dict.fromkeys(("norm", "rope", "loss"), "fused"), "bf16", 2e-2),
     ],
 )
 def test_each_part_switch_gives_the_same_loss_and_gradients(changes, dtype, tol):
@@ -78,9 +84,63 @@ def test_each_part_switch_gives_the_same_loss_and_gradients(changes, dtype, tol)
         torch.testing.assert_close(other_grads[name], grad, rtol=tol, atol=tol * scale)
 
 
-def test_int8_linears_keep_the_loss_within_int8_error():
-    from llmsys.profiling import use_int8_linears
+def test_default_parts_run_the_eager_model_as_before():
+    """The defaults keep today's model: no kernels_fused part, the unfused block, and the loss
+    of ``model(tokens, targets)`` bit for bit ``lm_loss`` of the logits."""
+    config = ModelConfig()
+    assert (config.norm, config.rope, config.loss) == ("eager", "eager", "eager")
+    model = TransformerLM(TINY)
+    assert all(type(block) is TransformerBlock for block in model.blocks)
+    norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
+    assert len(norms) == 2 * TINY.num_layers + 1 and all(n.kernel is None for n in norms)
+    assert model.blocks[0].attn.rope.kernel is None and model.loss_kernel is None
+    tokens, targets = random_batch(TINY, 2, 13, "cpu")
+    with torch.no_grad():
+        x = model.embedding(tokens)
+        for block in model.blocks:  # x + attn(norm(x)); x + ffn(norm(x)), as written before
+            x = x + block.attn(block.attn_norm(x))
+            x = x + block.ffn(block.ffn_norm(x))
+        expected = model.lm_head(model.final_norm(x))
+        assert torch.equal(model(tokens), expected)
+        assert torch.equal(model(tokens, targets), lm_loss(expected, targets))
 
+
+def test_fused_parts_keep_the_logits():
+    """norm and rope fused: float32 logits within float32 rounding; a fused loss leaves
+    ``model(tokens)``'s logits as they are (the kernel runs only with targets)."""
+    base = TransformerLM(TINY)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 13))
+    with torch.no_grad():
+        expected = base(tokens)
+        fused = twin(base, norm="fused", rope="fused")(tokens)
+        torch.testing.assert_close(fused, expected, rtol=1e-5, atol=1e-6)
+        assert torch.equal(twin(base, loss="fused")(tokens), expected)
+
+
+def test_fused_norm_in_a_bfloat16_model_is_one_rounding_from_eager():
+    """On a bfloat16 stream the kernel rounds x / rms(x) to bfloat16 before the weight multiplies
+    it (Hugging Face's order) where eager multiplies in float32: outputs a bf16 rounding apart."""
+    base = TransformerLM(TINY, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for norm in base.modules():
+            if type(norm).__name__ == "RMSNorm":
+                norm.weight.uniform_(0.5, 1.5)  # not all ones, so the order matters
+    tokens = torch.randint(0, TINY.vocab_size, (2, 13))
+    fused = TransformerLM(TINY.replace(norm="fused"), dtype=torch.bfloat16)
+    fused.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fused(tokens), base(tokens), rtol=2e-2, atol=2e-2)
+
+
+def test_fused_parts_compile_into_one_graph():
+    config = TINY.replace(num_layers=1, **dict.fromkeys(("norm", "rope", "loss"), "fused"))
+    model = TransformerLM(config)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    tokens, targets = random_batch(config, 2, 5, "cpu")
+    torch.testing.assert_close(compiled(tokens, targets), model(tokens, targets))
+
+
+def test_int8_linears_keep_the_loss_within_int8_error():
     model = TransformerLM(TINY).to(torch.bfloat16)
     tokens, targets = random_batch(TINY, 2, 13, "cpu")
     with torch.no_grad():
@@ -146,6 +206,9 @@ def test_readable_adamw_matches_torch():
         ({"ffn": "gelu"}, "`ffn` must be one of"),
         ({"num_layers": 0}, "`num_layers` must be a positive int"),
         ({"ffn": "moe", "topk": 9, "num_experts": 8}, "`topk`"),
+        ({"norm": "triton"}, r"`norm` must be one of \('eager', 'fused'\), got 'triton'"),
+        ({"rope": "Fused"}, r"`rope` must be one of \('eager', 'fused'\), got 'Fused'"),
+        ({"loss": None}, r"`loss` must be one of \('eager', 'fused'\), got None"),
     ],
 )
 def test_bad_configs_are_refused_by_name(changes, match):
@@ -159,6 +222,13 @@ def test_bad_inputs_are_refused_by_name():
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match=r"seq <= context_length=16, got \(1, 17\)"):
         model(torch.zeros(1, 17, dtype=torch.long))
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"`targets` must be an int64 tensor, got torch\.int32"):
+        model(tokens, tokens.int())
+    with pytest.raises(ValueError, match=r"`targets` must have the shape of `tokens` \(1, 4\)"):
+        model(tokens, tokens[:, :3])
+    with pytest.raises(ValueError, match=r"`model` must have config\.loss='eager'"):
+        use_int8_linears(TransformerLM(TINY.replace(loss="fused")))
     with pytest.raises(TypeError, match="`config` must be a ModelConfig"):
         TransformerLM({"d_model": 8})
     with pytest.raises(ValueError, match="`size` must be one of"):

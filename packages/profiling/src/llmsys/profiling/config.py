@@ -18,6 +18,8 @@ SIZES: dict[str, tuple[int, int, int, int]] = {
 
 ATTENTION = ("naive", "sdpa", "flash")  # eager PyTorch, F.scaled_dot_product_attention, ours
 FFN = ("eager", "swiglu", "moe")  # F.silu(a) * b, llmsys.kernels_swiglu, llmsys.kernels_moe
+# eager PyTorch, or llmsys.kernels_fused (rms_norm / rotary / linear_cross_entropy)
+NORM = ROPE = LOSS = ("eager", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +42,23 @@ class ModelConfig:
         num_experts, topk: the MoE variant's experts and experts per token. Defaults 8 and 2.
         checkpoint: recompute each block in the backward instead of keeping its activations
             (per-block activation checkpointing). Default False.
+        norm: "eager" (RMSNorm in float32 PyTorch ops) or "fused"
+            (``llmsys.kernels_fused.rms_norm``, with each residual add done by the norm that
+            follows it). The kernel rounds the normalised value to the input's dtype before the
+            weight multiplies it (Hugging Face's order); eager multiplies in float32 and rounds
+            once. The same for the float32 residual stream (fp32 or bf16 autocast); for a
+            16-bit model, one rounding of the output apart. Default "eager".
+        rope: "eager" (each of q and k rotated by PyTorch ops) or "fused"
+            (``llmsys.kernels_fused.rotary``: q and k in one launch). Default "eager".
+        loss: "eager" (``lm_head``'s logits, then ``F.cross_entropy`` in float32) or "fused"
+            (``llmsys.kernels_fused.linear_cross_entropy``: the loss from the final hidden
+            states in chunks of tokens, the logits never built whole). Used by
+            ``TransformerLM(tokens, targets)``. Default "eager".
 
     Raises:
         ValueError: naming the field: a size that is not a positive int, a ``rope_theta`` or
-            ``norm_eps`` that is not finite and positive, an unknown ``attention`` or ``ffn``,
-            or a ``topk`` above ``num_experts`` for the MoE variant.
+            ``norm_eps`` that is not finite and positive, an unknown ``attention``, ``ffn``,
+            ``norm``, ``rope`` or ``loss``, or a ``topk`` above ``num_experts`` for the MoE variant.
     """
 
     vocab_size: int = 10000
@@ -60,6 +74,9 @@ class ModelConfig:
     num_experts: int = 8
     topk: int = 2
     checkpoint: bool = False
+    norm: str = "eager"
+    rope: str = "eager"
+    loss: str = "eager"
 
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "context_length", "d_model", "d_ff", "num_layers", "num_heads")
@@ -92,6 +109,11 @@ class ModelConfig:
             )
         if self.ffn not in FFN:
             raise ValueError(f"ModelConfig: `ffn` must be one of {FFN}, got {self.ffn!r}")
+        for name, choices in (("norm", NORM), ("rope", ROPE), ("loss", LOSS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"ModelConfig: `{name}` must be one of {choices}, got {getattr(self, name)!r}"
+                )
         if self.ffn == "moe" and not 1 <= self.topk <= self.num_experts:
             raise ValueError(
                 f"ModelConfig: `topk` must be in 1..num_experts={self.num_experts}, got {self.topk}"

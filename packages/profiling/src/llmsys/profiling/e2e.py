@@ -37,9 +37,9 @@ from .options import (
 from .progress import progress
 from .training import (
     autocast,
-    lm_loss,
     make_optimizer,
     random_batch,
+    step_loss,
     synchronize,
     unless_out_of_memory,
 )
@@ -102,7 +102,7 @@ class Runner:
         dtype = "fp32" if self.variant.int8 else self.variant.dtype  # int8 runs bf16 weights
         with record_function("forward"):
             with torch.set_grad_enabled(self.mode != "forward"), autocast(dtype, self.device):
-                loss = lm_loss(self.call(self.tokens), self.targets)
+                loss = step_loss(self.call, self.config, self.tokens, self.targets)
             lap("forward")
         if self.mode == "forward":
             return times

@@ -2,10 +2,14 @@
 
     tokens (B, T) -> embedding -> num_layers x [x + attn(norm(x)); x + ffn(norm(x))]
                   -> final RMSNorm -> lm_head -> logits (B, T, vocab)
+                                                 (or, with targets, the mean cross-entropy)
 
 Attention is causal multi-head attention with rotary position embeddings (RoPE) on q and k; the
 feed-forward is SwiGLU, ``w2(silu(w1 x) * w3 x)``, or a mixture of SwiGLU experts. Which
-implementation runs each part is set by :class:`~llmsys.profiling.config.ModelConfig`.
+implementation runs each part is set by :class:`~llmsys.profiling.config.ModelConfig`. With
+``norm="fused"`` each residual add moves into the RMSNorm kernel that follows it
+(:class:`FusedResidualBlock`); with ``loss="fused"`` the loss comes from the final hidden states
+without the logits.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import ATTENTION_FUNCTIONS
 from .config import ModelConfig
+from .training import lm_loss
 
 INIT_STD = 0.02
 
@@ -26,14 +31,38 @@ def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, computed in float32 and returned in ``x``'s dtype."""
+    """``x / rms(x) * weight``, computed in float32 and returned in ``x``'s dtype.
 
-    def __init__(self, d_model: int, eps: float = 1e-5, *, device=None, dtype=None) -> None:
+    ``fused=True`` runs ``llmsys.kernels_fused.rms_norm``: one pass, and the residual add in
+    front of the norm in the same kernel. It rounds ``x / rms(x)`` to ``x``'s dtype before
+    multiplying by ``weight`` (Hugging Face's order), where this module multiplies in float32
+    and rounds once: identical formulas for a float32 ``x`` (the model's residual stream, also
+    under autocast), up to one rounding of the output apart for a 16-bit ``x``.
+    """
+
+    def __init__(
+        self, d_model: int, eps: float = 1e-5, *, fused: bool = False, device=None, dtype=None
+    ) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+        self.kernel = None
+        if fused:
+            from llmsys.kernels_fused import rms_norm  # imports Triton: only if used
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.kernel = rms_norm
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``norm(x)``; with ``residual``, ``(norm(s), s)`` for ``s = x + residual`` in ``x``'s
+        dtype (the fused kernel adds, keeps ``s`` for the next residual add, and normalises)."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
+        if residual is not None:
+            s = (x + residual).to(x.dtype)
+            return self._normalize(s), s
+        return self._normalize(x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         wide = x.to(_at_least_float32(x.dtype))
         normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight).to(x.dtype)
@@ -44,10 +73,21 @@ class RotaryEmbedding(nn.Module):
 
     The cos/sin tables are buffers (not saved in the state dict, rebuilt from the config), in
     float32, or float64 for a float64 model; the rotation runs in at least float32.
+
+    ``fused=True``: :meth:`rotate` runs ``llmsys.kernels_fused.rotary`` on q and k in one launch.
+    Rotating the (i, i + d/2) pairs is Hugging Face's ``rotate_half`` convention, whose tables
+    hold each angle twice: full-width (1, context, d) copies are built once for it.
     """
 
     def __init__(
-        self, head_dim: int, context_length: int, theta: float, *, device=None, dtype=None
+        self,
+        head_dim: int,
+        context_length: int,
+        theta: float,
+        *,
+        fused: bool = False,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
@@ -56,6 +96,15 @@ class RotaryEmbedding(nn.Module):
         table_dtype = _at_least_float32(dtype or torch.get_default_dtype())
         self.register_buffer("cos", angles.cos().to(table_dtype), persistent=False)
         self.register_buffer("sin", angles.sin().to(table_dtype), persistent=False)
+        self.kernel = None
+        if fused:
+            from llmsys.kernels_fused import rotary  # imports Triton: only if used
+
+            self.kernel = rotary
+            for name in ("cos", "sin"):
+                half = getattr(self, name)  # (context, d/2)
+                full = torch.cat([half, half], dim=-1).unsqueeze(0)  # (1, context, d)
+                self.register_buffer(f"{name}_full", full, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         seq, half = x.shape[-2], x.shape[-1] // 2
@@ -64,6 +113,13 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x[..., :half].to(wide), x[..., half:].to(wide)  # (B, H, T, d/2) each
         rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
         return rotated.to(x.dtype)  # (B, H, T, d)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rope(q), rope(k))``; fused: both in one kernel, in q's dtype."""
+        if self.kernel is None:
+            return self(q), self(k)
+        seq = q.shape[-2]
+        return self.kernel(q, k, self.cos_full[:, :seq], self.sin_full[:, :seq])
 
 
 class CausalSelfAttention(nn.Module):
@@ -74,7 +130,11 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False, **factory)
         self.output_proj = nn.Linear(config.d_model, config.d_model, bias=False, **factory)
         self.rope = RotaryEmbedding(
-            config.head_dim, config.context_length, config.rope_theta, **factory
+            config.head_dim,
+            config.context_length,
+            config.rope_theta,
+            fused=config.rope == "fused",
+            **factory,
         )
         self.attend = ATTENTION_FUNCTIONS[config.attention]
 
@@ -82,7 +142,8 @@ class CausalSelfAttention(nn.Module):
         batch, seq, d_model = x.shape
         qkv = self.qkv_proj(x).view(batch, seq, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, T, dh)
-        out = self.attend(self.rope(q), self.rope(k), v)  # (B, H, T, dh)
+        q, k = self.rope.rotate(q, k)
+        out = self.attend(q, k, v)  # (B, H, T, dh)
         return self.output_proj(out.transpose(1, 2).reshape(batch, seq, d_model))
 
 
@@ -133,14 +194,37 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, *, device=None, dtype=None) -> None:
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **factory)
+        norm = {"fused": config.norm == "fused", **factory}
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **norm)
         self.attn = CausalSelfAttention(config, **factory)
-        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, **factory)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, **norm)
         self.ffn = (MoE if config.ffn == "moe" else SwiGLU)(config, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.ffn(self.ffn_norm(x))
+
+
+class FusedResidualBlock(TransformerBlock):
+    """The block for ``norm="fused"``: each residual add runs in the RMSNorm kernel after it.
+
+        (x, branch) -> h, x = attn_norm(x + branch)    one kernel: the previous block's FFN add
+                    -> h, x = ffn_norm(x + attn(h))    one kernel: this block's attention add
+                    -> (x, ffn(h))                     the FFN add: the next norm's
+
+    The residual stream is ``x + branch``: what :class:`TransformerBlock` returns for the same
+    input. The first block gets ``branch=None``; the final norm adds the last block's branch.
+    """
+
+    def forward(
+        self, x: torch.Tensor, branch: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if branch is None:
+            h = self.attn_norm(x)
+        else:
+            h, x = self.attn_norm(x, branch)  # x stays the float32 stream (x's dtype)
+        h, x = self.ffn_norm(x, self.attn(h))
+        return x, self.ffn(h)
 
 
 class TransformerLM(nn.Module):
@@ -155,8 +239,12 @@ class TransformerLM(nn.Module):
             device, so it is skipped inside CUDA-graph capture and torch.compile; turn it off
             where that synchronization would cost (timed loops). Default True.
 
-    Shapes: ``tokens`` (B, T) int64 with T <= ``config.context_length`` -> logits
-    (B, T, vocab_size) in the dtype of the last matmul (float32, or bf16 under autocast).
+    Shapes: ``model(tokens)``: ``tokens`` (B, T) int64 with T <= ``config.context_length`` ->
+    logits (B, T, vocab_size) in the dtype of the last matmul (float32, or bf16 under autocast).
+    ``model(tokens, targets)``: ``targets`` (B, T) int64 (-100: ignored) -> the mean
+    next-token cross-entropy, a 0-d float32 tensor (``training.lm_loss`` of the logits); with
+    ``config.loss == "fused"`` computed by ``llmsys.kernels_fused.linear_cross_entropy`` from
+    the final hidden states, without building the logits.
     Weights start from a normal of std 0.02 (MoE experts keep their own init); norms at 1.
     """
 
@@ -182,16 +270,22 @@ class TransformerLM(nn.Module):
         self.check_tokens = check_tokens
         factory = {"device": device, "dtype": dtype}
         self.embedding = nn.Embedding(config.vocab_size, config.d_model, **factory)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(config, **factory) for _ in range(config.num_layers)
+        block = FusedResidualBlock if config.norm == "fused" else TransformerBlock
+        self.blocks = nn.ModuleList(block(config, **factory) for _ in range(config.num_layers))
+        self.final_norm = RMSNorm(
+            config.d_model, config.norm_eps, fused=config.norm == "fused", **factory
         )
-        self.final_norm = RMSNorm(config.d_model, config.norm_eps, **factory)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, **factory)
+        self.loss_kernel = None
+        if config.loss == "fused":
+            from llmsys.kernels_fused import linear_cross_entropy  # imports Triton: only if used
+
+            self.loss_kernel = linear_cross_entropy
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.trunc_normal_(module.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int32, torch.int64):
             raise TypeError(
                 "TransformerLM: `tokens` must be an int32/int64 tensor, got "
@@ -202,13 +296,36 @@ class TransformerLM(nn.Module):
                 "TransformerLM: `tokens` must have shape (batch, seq) with seq <= "
                 f"context_length={self.config.context_length}, got {tuple(tokens.shape)}"
             )
+        if targets is not None:
+            _check_targets(targets, tokens)
         if self.check_tokens and _can_synchronize(tokens):
             _check_token_ids(tokens, self.config.vocab_size)
         x = self.embedding(tokens)  # (B, T, d_model)
         recompute = self.config.checkpoint and torch.is_grad_enabled()
+        if self.config.norm == "fused":
+            hidden = self._fused_residual_blocks(x, recompute)
+        else:
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+            hidden = self.final_norm(x)  # (B, T, d_model)
+        if targets is None:
+            return self.lm_head(hidden)  # (B, T, vocab)
+        if self.loss_kernel is not None:
+            return self.loss_kernel(hidden, self.lm_head.weight, targets)  # no logits
+        return lm_loss(self.lm_head(hidden), targets)
+
+    def _fused_residual_blocks(self, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+        """The blocks and the final norm with ``norm="fused"``: the stream travels as
+        ``(x, branch)`` and each norm kernel adds the pending branch."""
+        branch = None
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
-        return self.lm_head(self.final_norm(x))  # (B, T, vocab)
+            if recompute:
+                x, branch = checkpoint(block, x, branch, use_reentrant=False)
+            else:
+                x, branch = block(x, branch)
+        if branch is None:  # no blocks
+            return self.final_norm(x)
+        return self.final_norm(x, branch)[0]  # (B, T, d_model)
 
 
 def _can_synchronize(t: torch.Tensor) -> bool:
@@ -217,6 +334,19 @@ def _can_synchronize(t: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_targets(targets, tokens: torch.Tensor) -> None:
+    if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
+        raise TypeError(
+            "TransformerLM: `targets` must be an int64 tensor, got "
+            f"{getattr(targets, 'dtype', type(targets).__name__)}"
+        )
+    if targets.shape != tokens.shape:
+        raise ValueError(
+            f"TransformerLM: `targets` must have the shape of `tokens` {tuple(tokens.shape)}, "
+            f"got {tuple(targets.shape)}"
+        )
 
 
 def _check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
@@ -244,8 +374,15 @@ def use_int8_linears(model: TransformerLM) -> TransformerLM:
     """Swap every linear layer for ``llmsys.kernels_int8.Int8Linear`` (inference only, in place).
 
     Call it on a model already in its inference dtype (float16 or bfloat16); the router of an MoE
-    variant stays in floating point (its logits pick the experts).
+    variant stays in floating point (its logits pick the experts). A model with the fused loss
+    is refused (ValueError): that loss needs ``lm_head``'s floating-point weight.
     """
     from llmsys.kernels_int8 import quantize_linears
+
+    if model.config.loss == "fused":
+        raise ValueError(
+            "use_int8_linears: `model` must have config.loss='eager' (the fused loss reads "
+            "lm_head's floating-point weight), got loss='fused'"
+        )
 
     return quantize_linears(model, include=lambda name, linear: not name.endswith("router"))

@@ -11,13 +11,18 @@ import dataclasses
 
 import torch
 
-from .config import ATTENTION, FFN, SIZES, ModelConfig
+from .config import ATTENTION, FFN, LOSS, NORM, ROPE, SIZES, ModelConfig
 from .training import DTYPES, OPTIMIZERS
 
+FUSED_PARTS = ("norm", "rope", "loss")  # "eager" or "fused" each (llmsys.kernels_fused)
+# Every part on an llmsys kernel: the llmsys preset's, and the fused RMSNorm, rotary and loss.
+_ALL_FUSED = dict(attention="flash", ffn="swiglu") | dict.fromkeys(FUSED_PARTS, "fused")
 PRESETS = {
     "eager": dict(attention="naive", ffn="eager", compile=False),
     "compiled": dict(attention="sdpa", ffn="eager", compile=True),
     "llmsys": dict(attention="flash", ffn="swiglu", compile=True, compile_mode="reduce-overhead"),
+    "fused": _ALL_FUSED | dict(compile=False),
+    "fused-compiled": _ALL_FUSED | dict(compile=True, compile_mode="reduce-overhead"),
 }
 # torch.compile modes: "default"; "reduce-overhead" replays CUDA graphs (no per-kernel launch
 # cost on the host); "max-autotune-no-cudagraphs" tunes Inductor's matmuls (minutes to compile).
@@ -30,6 +35,9 @@ class Variant:
 
     attention: str = "sdpa"
     ffn: str = "eager"
+    norm: str = "eager"
+    rope: str = "eager"
+    loss: str = "eager"
     compile: bool = False
     compile_mode: str = "default"
     dtype: str = "bf16"
@@ -42,6 +50,9 @@ class Variant:
         choices = {
             "attention": ATTENTION,
             "ffn": FFN,
+            "norm": NORM,
+            "rope": ROPE,
+            "loss": LOSS,
             "compile_mode": COMPILE_MODES,
             "dtype": DTYPES,
             "optimizer": OPTIMIZERS,
@@ -67,9 +78,12 @@ class Variant:
 
     @property
     def label(self) -> str:
-        """Short provider name for tables: the preset, or the parts spelled out."""
+        """Short provider name for tables: the preset, or the parts spelled out (``fused-norm``
+        and the like only for the parts that are fused, so earlier labels stay as they were)."""
+        spelled = [self.attention, self.ffn]
+        spelled += [f"fused-{name}" for name in FUSED_PARTS if getattr(self, name) == "fused"]
         parts = [
-            self.preset or f"{self.attention}+{self.ffn}",
+            self.preset or "+".join(spelled),
             "compiled" if self.compile and not self.preset else "",
             self.compile_mode if self.compile and self.compile_mode != "default" else "",
             "int8" if self.int8 else "",
@@ -83,6 +97,9 @@ class Variant:
             context_length=context_length,
             attention=self.attention,
             ffn=self.ffn,
+            norm=self.norm,
+            rope=self.rope,
+            loss=self.loss,
             checkpoint=self.checkpoint,
             **overrides,
         )
@@ -96,8 +113,13 @@ presets (--preset NAME ...; a part switch given with a preset overrides it):
             our kernels, in the compile mode measured fastest for them: on an H100 the medium
             model's train step took 38.4 ms with "reduce-overhead" and 59.6 ms with "default",
             whose host cost per custom-op call starves the GPU)
-  (none)    the part switches alone (unset: {Variant.attention} attention, {Variant.ffn} FFN, no
-            torch.compile: the provider `{Variant().label}`)
+  fused     every part on an llmsys kernel, no torch.compile: flash-attn2, the SwiGLU kernel,
+            and llmsys.kernels_fused's RMSNorm (each residual add fused into the next norm),
+            rotary (q and k in one launch) and linear cross-entropy (no logits)
+  fused-compiled
+            the same parts, torch.compile with CUDA graphs (as llmsys)
+  (none)    the part switches alone (unset: {Variant.attention} attention, {Variant.ffn} FFN,
+            eager norm, rope and loss, no torch.compile: the provider `{Variant().label}`)
 """
 
 
@@ -170,6 +192,12 @@ def add_model_arguments(
         choices=FFN,
         help=f"feed-forward: eager, swiglu kernel or moe ({preset_or} {Variant.ffn})",
     )
+    for name, choices, what in (
+        ("norm", NORM, "RMSNorm: eager, or fused (kernels_fused.rms_norm with the residual add)"),
+        ("rope", ROPE, "rotary embedding: eager, or fused (kernels_fused.rotary, q and k at once)"),
+        ("loss", LOSS, "loss: eager logits + cross-entropy, or fused (no logits)"),
+    ):
+        parser.add_argument(f"--{name}", choices=choices, help=f"{what} ({preset_or} eager)")
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -210,7 +238,7 @@ def variants(args: argparse.Namespace, dtype: str) -> list[Variant]:
     """The variants the arguments ask for: one per preset, or one from the switches alone."""
     switches = {
         key: getattr(args, key)
-        for key in ("attention", "ffn", "compile", "compile_mode")
+        for key in ("attention", "ffn", *FUSED_PARTS, "compile", "compile_mode")
         if getattr(args, key, None) is not None
     }
     common = dict(

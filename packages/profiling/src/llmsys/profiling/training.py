@@ -47,6 +47,24 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def step_loss(
+    model: Callable[..., torch.Tensor],
+    config: ModelConfig,
+    tokens: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """The loss of a benchmark step: ``lm_loss(model(tokens), targets)`` with the logits, or,
+    for ``config.loss == "fused"``, ``model(tokens, targets)``, which never builds them.
+
+    ``model`` is the ``TransformerLM`` of ``config`` or its ``torch.compile`` wrapper. The eager
+    loss stays outside the model's forward, as it always was, so the committed baselines
+    (eager and compiled) time the same graph.
+    """
+    if config.loss == "fused":
+        return model(tokens, targets)
+    return lm_loss(model(tokens), targets)
+
+
 def make_optimizer(model: torch.nn.Module, name: str = "adamw-fused", lr: float = 1e-4):
     """AdamW (weight decay 0.1, betas (0.9, 0.95)) over ``model``'s parameters.
 
