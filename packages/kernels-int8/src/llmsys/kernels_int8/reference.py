@@ -6,7 +6,10 @@ public functions run them.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 QMAX = 127  # symmetric: q in [-127, 127], so -q never overflows and the grid is centred on 0
 
@@ -97,3 +100,26 @@ def matmul_quantize_int8_reference(
     q, scale = quantize_int8_perrow_reference(fpa.reshape(-1, fpa.shape[-1]))  # (M, K), (M,)
     out = matmul_int8_reference(q, scale, b, b_scale)  # (M, N)
     return out.reshape(*fpa.shape[:-1], b.shape[1])
+
+
+def silu_mul_quantize_int8_reference(
+    gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int8_perrow_reference(F.silu(gate) * up)``: a gated MLP's hidden rows quantized
+    per token for ``down_proj``.
+
+    ``F.silu(gate)`` is rounded to the inputs' dtype, then the product, as eager PyTorch rounds
+    ``act_fn(gate) * up`` in a Hugging Face MLP.
+
+    Args:
+        gate: (..., N) float16, bfloat16 or float32.
+        up: ``gate``'s shape and dtype.
+
+    Returns:
+        ``q`` (M, N) int8 with the leading dims flattened to M, and ``scale`` (M,) in
+        ``gate.dtype``.
+    """
+    hidden = F.silu(gate) * up  # (..., N)
+    return quantize_int8_perrow_reference(
+        hidden.reshape(math.prod(gate.shape[:-1]), gate.shape[-1])
+    )
