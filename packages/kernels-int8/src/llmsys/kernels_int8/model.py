@@ -143,8 +143,8 @@ def _family_classes() -> dict[str, tuple[type, ...]]:
 
 
 def _float_linears(owner: nn.Module, names: tuple[str, ...]) -> str | None:
-    """Why ``owner``'s projections ``names`` cannot be fused, or None: each a plain nn.Linear,
-    one float dtype, one input width."""
+    """Why ``owner``'s projections ``names`` cannot become one int8 GEMM, or None: each a plain
+    nn.Linear, of one float dtype and one input width."""
     linears = [getattr(owner, name, None) for name in names]
     for name, linear in zip(names, linears, strict=True):
         if type(linear) is not nn.Linear:
@@ -160,9 +160,8 @@ def _float_linears(owner: nn.Module, names: tuple[str, ...]) -> str | None:
 
 def unfit_reason(layer: nn.Module, classes: dict[str, tuple[type, ...]]) -> str | None:
     """Why ``layer`` is not a decoder layer ``quantize_model`` can rewrite, or None if it is."""
-    name = type(layer).__name__
     if type(layer) not in classes["DecoderLayer"]:
-        return f"{name} is not a Llama-, Mistral- or Qwen2-family decoder layer"
+        return f"{type(layer).__name__} is not a Llama-, Mistral- or Qwen2-family decoder layer"
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     for part, module, kind in (("self_attn", attn, "Attention"), ("mlp", mlp, "MLP")):
         if type(module) not in classes[kind]:
@@ -172,9 +171,17 @@ def unfit_reason(layer: nn.Module, classes: dict[str, tuple[type, ...]]) -> str 
             return f"{part} is {type(getattr(layer, part, None)).__name__}, not an RMSNorm"
     if type(mlp.act_fn) not in classes["SiLU"]:
         return f"mlp.act_fn is {type(mlp.act_fn).__name__}, not SiLU"
-    why = _float_linears(attn, ("q_proj", "k_proj", "v_proj", "o_proj"))
-    why = why or _float_linears(mlp, ("gate_proj", "up_proj", "down_proj"))
-    return why and f"{name}: {why}"
+    groups = [
+        (attn, ("q_proj", "k_proj", "v_proj")),
+        (attn, ("o_proj",)),
+        (mlp, ("gate_proj", "up_proj")),
+        (mlp, ("down_proj",)),
+    ]
+    for owner, names in groups:
+        why = _float_linears(owner, names)
+        if why:
+            return why
+    return None
 
 
 # --- building -------------------------------------------------------------------------------------
@@ -289,7 +296,10 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     for name, module in named:
         if type(module) in classes["DecoderLayer"]:
             why = unfit_reason(module, classes)
-            (rejected if why else layers).append((name, module, why))
+            if why:
+                rejected.append((name, module, f"{type(module).__name__}: {why}"))
+            else:
+                layers.append((name, module, None))
     if not layers:
         found = [f"{n} ({why})" for n, _, why in rejected] or sorted(
             {type(m).__name__ for _, m in named if "DecoderLayer" in type(m).__name__}
