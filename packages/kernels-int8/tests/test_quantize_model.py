@@ -3,7 +3,7 @@ the same W8A8 scheme, against quantize_linears, and loosely against the float mo
 projections split back exactly; transformers' KV cache and masks still work; the fallback
 warning, the refusals and bad arguments.
 
-The reference (``w8a8_reference``) is the float model with every nn.Linear replaced by the
+The reference (``w8a8_reference_model``) is the float model with every nn.Linear computing the
 package's eager spec: weights quantized per output channel, inputs per token, the exact integer
 product rescaled (``matmul_int8_reference``). The fused path computes the same scheme with
 other kernels for the RMSNorm (kernels-fused) and SiLU (this package), whose float32 results can
@@ -16,7 +16,6 @@ scale, split or residual would exceed by far.
 
 import copy
 import warnings
-from types import MethodType
 
 import pytest
 import torch
@@ -25,11 +24,10 @@ from torch import nn
 from llmsys.kernels_int8 import (
     Int8Linear,
     ProjectionSlice,
-    matmul_int8_reference,
     quantize_int8_perrow,
-    quantize_int8_perrow_reference,
     quantize_linears,
     quantize_model,
+    w8a8_reference_model,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -61,22 +59,6 @@ def tiny_model(family: str, device, **config) -> nn.Module:
     return model.to(device).eval()
 
 
-def _w8a8_linear(self, x):
-    q, scale = quantize_int8_perrow_reference(x.reshape(-1, x.shape[-1]))  # (M, K), (M,)
-    q_w, scale_w = quantize_int8_perrow_reference(self.weight)  # per output channel
-    out = matmul_int8_reference(q, scale, q_w.t(), scale_w, self.bias)  # (M, N)
-    return out.reshape(*x.shape[:-1], -1)
-
-
-def w8a8_reference(model: nn.Module) -> nn.Module:
-    """A float32 copy of ``model`` whose nn.Linear compute the W8A8 scheme with the eager spec."""
-    reference = copy.deepcopy(model).float()
-    for module in reference.modules():
-        if type(module) is nn.Linear:
-            module.forward = MethodType(_w8a8_linear, module)
-    return reference
-
-
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     got, expected = got.double(), expected.double()
     return ((got - expected).norm() / expected.norm()).item()
@@ -101,7 +83,7 @@ def test_logits_match_the_w8a8_reference(family, device):
     (10% allowed for ties that round the other way; measured equal)."""
     model = tiny_model(family, device)
     ids = tokens(device)
-    float_logits, expected = logits(model, ids), logits(w8a8_reference(model), ids)
+    float_logits, expected = logits(model, ids), logits(w8a8_reference_model(model), ids)
     half, unfused = copy.deepcopy(model).half(), quantize_linears(copy.deepcopy(model).half())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a model of the families falls back nowhere
@@ -214,7 +196,7 @@ def test_unrecognised_modules_fall_back_to_int8_linear_with_a_warning(device):
     model.model.layers[1].mlp.act_fn = nn.GELU()
     model.model.extra = nn.Linear(8, 8, device=device)  # outside every decoder layer
     ids = tokens(device)
-    float_logits, expected = logits(model, ids), logits(w8a8_reference(model), ids)
+    float_logits, expected = logits(model, ids), logits(w8a8_reference_model(model), ids)
     warning = (
         r"quantize_linears\): model\.layers\.1 \(LlamaDecoderLayer: mlp\.act_fn is GELU, not "
         r"SiLU\); model\.extra \(an nn\.Linear outside"

@@ -18,6 +18,7 @@ from .reference import (
     quantize_int8_perrow_reference,
     quantize_int8_reference,
     silu_mul_quantize_int8_reference,
+    w8a8_reference_model,
 )
 from .silu_mul_quantize import silu_mul_quantize_int8, silu_mul_quantize_int8_kernel
 
@@ -42,4 +43,5 @@ __all__ = [
     "silu_mul_quantize_int8",
     "silu_mul_quantize_int8_kernel",
     "silu_mul_quantize_int8_reference",
+    "w8a8_reference_model",
 ]

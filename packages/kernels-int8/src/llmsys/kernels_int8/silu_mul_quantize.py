@@ -23,10 +23,10 @@ from llmsys.triton_launch import (
     checks,
     define_op,
     launch,
-    next_power_of_2,
     runs_under_interpreter,
 )
 
+from . import tuning
 from .kernels import _abs_nan_as_inf, _quantize, _store_scale
 from .ops import FLOAT_DTYPES, NAMESPACE
 from .reference import silu_mul_quantize_int8_reference
@@ -129,19 +129,16 @@ def silu_mul_quantize_int8_kernel(
 
 # --- launcher ------------------------------------------------------------------------------------
 
-# Longest row kept in registers: 16384 (Llama-3.1-8B's 14336 fits) over 16 warps is 32 float32
-# values of h a thread, as kernels-fused's RMSNorm holds. Unmeasured here (no GPU time yet).
-MAX_ONE_PASS_N = 16384
-TWO_PASS_BLOCK_N = 4096
 CPU_RUNS_TRITON = runs_under_interpreter(silu_mul_quantize_int8_kernel)
 
 
 def launch_config(n: int) -> tuple[int, bool, int]:
-    """(BLOCK_N, ONE_PASS, num_warps) for rows of ``n``."""
-    block_n = next_power_of_2(max(n, 1))
-    if block_n <= MAX_ONE_PASS_N:
-        return block_n, True, 4 if block_n <= 2048 else 8 if block_n <= 8192 else 16
-    return TWO_PASS_BLOCK_N, False, 8
+    """(BLOCK_N, ONE_PASS, num_warps) for rows of ``n``: the quantizer's measured row policy
+    (``tuning.quantize_config``: one pass up to 4096 columns, else two passes of 2048 or 4096,
+    which beat one 16-warp pass at 11008 columns on an H100, DECISIONS.md). Not yet measured
+    for this kernel, which reads two inputs and computes an exp per element."""
+    config = tuning.quantize_config(1, n)
+    return config.block_k, config.one_pass, config.num_warps
 
 
 def check_inputs(op: str, gate, up) -> None:
