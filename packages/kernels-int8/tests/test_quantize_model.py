@@ -256,7 +256,8 @@ def test_bad_arguments_raise_naming_them(device):
     assert "forward" not in vars(model.model.layers[0])
 
 
-def test_inference_only(device):
+def test_the_layer_refuses_what_it_cannot_serve(device):
+    """Gradients, another dtype, a non-contiguous input: an error, never a slower copy."""
     model = tiny_model("llama", device)
     quantize_model(model)
     ids = tokens(device)
@@ -264,6 +265,12 @@ def test_inference_only(device):
         model(ids)  # grad mode on, the embedding requires grad
     with torch.inference_mode():
         assert model(ids).logits.shape == (*ids.shape, SIZES["vocab_size"])
+        layer = model.model.layers[0]
+        hidden = torch.randn(2, 5, SIZES["hidden_size"], device=device)
+        with pytest.raises(TypeError, match=r"`hidden_states` must have the layer's dtype"):
+            layer(hidden.half())
+        with pytest.raises(ValueError, match=r"`hidden_states` must be contiguous"):
+            layer(hidden.transpose(0, 1))
 
 
 def test_compile_fullgraph(device):

@@ -90,7 +90,24 @@ def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         raise ops.inference_only_error("quantize_model's MLP")
     lead = x.shape[:-1]
     q, scale = quantize_int8_perrow(x.reshape(math.prod(lead), x.shape[-1]))  # (M, H), (M,)
-    return _mlp_on_rows(self, q, scale).view(*lead, -1)
+    return _mlp_on_rows(self, q, scale).view(*lead, self.down_proj.out_features)
+
+
+def _check_hidden_states(layer: nn.Module, hidden_states) -> None:
+    """Refuse what the fused path would serve wrongly or through a slower copy: gradients, a
+    dtype other than the layer's, a non-contiguous tensor."""
+    op = "quantize_model's decoder layer"
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        raise ops.inference_only_error(op)
+    dtype = layer.self_attn.qkv_proj.weight_scale.dtype
+    if hidden_states.dtype != dtype:
+        raise TypeError(
+            f"{op}: `hidden_states` must have the layer's dtype {dtype}, got {hidden_states.dtype}"
+        )
+    if not hidden_states.is_contiguous():
+        raise ValueError(
+            f"{op}: `hidden_states` must be contiguous, got strides {hidden_states.stride()}"
+        )
 
 
 def decoder_layer_forward(
@@ -104,12 +121,12 @@ def decoder_layer_forward(
     each norm writing int8 rows for the GEMM after it. The keyword arguments (the KV cache,
     ``use_cache``, ``position_embeddings``, ...) go to the attention as transformers' layer
     passes them."""
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
-        raise ops.inference_only_error("quantize_model's decoder layer")
+    _check_hidden_states(self, hidden_states)
     lead = hidden_states.shape[:-1]
     norm = self.input_layernorm
     q, scale = rms_norm_quantize_int8(hidden_states, norm.weight, norm.variance_epsilon)
-    qkv = self.self_attn.qkv_proj.forward_quantized(q, scale).view(*lead, -1)  # (..., Wq+Wk+Wv)
+    qkv_proj = self.self_attn.qkv_proj
+    qkv = qkv_proj.forward_quantized(q, scale).view(*lead, qkv_proj.out_features)  # (..., Wq+Wk+Wv)
     attn, _ = self.self_attn(
         hidden_states=qkv, attention_mask=attention_mask, position_ids=position_ids, **kwargs
     )  # (..., H)
@@ -261,8 +278,8 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     activation, say, or a vision tower), with a warning that lists those.
 
     Inference only: a rewritten layer raises ``RuntimeError`` when grad mode is on and its input
-    requires grad. Its ``self_attn`` then takes the fused q|k|v projection's output, not hidden
-    states (see :class:`ProjectionSlice`); ``layer.mlp`` alone still takes float rows.
+    requires grad. The rewritten layer's ``self_attn`` takes the fused q|k|v projection's output,
+    not hidden states (see :class:`ProjectionSlice`); its ``mlp`` alone still takes float rows.
 
     Args:
         model: a transformers ``LlamaForCausalLM``, ``MistralForCausalLM`` or
