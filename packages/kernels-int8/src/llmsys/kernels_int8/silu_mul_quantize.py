@@ -5,8 +5,9 @@
 A gated MLP computes ``down_proj(silu(gate) * up)``. In W8A8 the hidden rows are quantized per
 token before ``down_proj``, and a per-token scale needs the whole row's maximum, which no single
 output tile of the gate/up GEMM holds; so this kernel runs one program per row, reads ``gate``
-and ``up`` once and writes the int8 row and its scale, and the hidden rows never reach memory
-in float. The spec is :func:`~llmsys.kernels_int8.silu_mul_quantize_int8_reference`.
+and ``up`` (twice for rows longer than one block) and writes the int8 row and its scale: the
+hidden rows never reach memory in float. The spec is
+:func:`~llmsys.kernels_int8.silu_mul_quantize_int8_reference`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def silu_mul_quantize_int8_kernel(
 
     Masked lanes load gate = up = 0, so h = 0 there and never wins the maximum. A row longer than
     one block takes two passes over gate and up (the first asking L2 to keep them) and computes
-    h twice: cheaper than writing it out and reading it back.
+    h in both, so h never needs a buffer.
     """
     # A (1,)-row block, so the package's quantizer helpers (_store_scale, _quantize) apply as is.
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # (1,)
