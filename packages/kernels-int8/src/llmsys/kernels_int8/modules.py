@@ -133,6 +133,26 @@ class Int8Linear(nn.Module):
         out = matmul_int8(q, scale, self.qweight.t(), self.weight_scale, bias=self.bias)  # (M, N)
         return out.reshape(*lead, self.out_features)
 
+    def forward_quantized(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The layer on rows already quantized per token: one GEMM, no quantization pass.
+
+        For producers that quantize as they write, such as ``rms_norm_quantize_int8``
+        (llmsys.kernels_fused) or :func:`silu_mul_quantize_int8`; ``forward(x)`` equals
+        ``forward_quantized(*quantize_int8_perrow(x))`` for 2-D ``x``.
+
+        Args:
+            q: (M, K) int8, row-major fastest.
+            scale: (M,) float16, bfloat16 or float32, per row; its dtype is the output dtype.
+
+        Returns:
+            (M, N) in ``scale.dtype``.
+
+        Raises:
+            TypeError, ValueError: as :func:`matmul_int8`, naming ``a`` (``q``) and ``a_scale``
+                (``scale``).
+        """
+        return matmul_int8(q, scale, self.qweight.t(), self.weight_scale, bias=self.bias)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -6,7 +6,12 @@ public functions run them.
 
 from __future__ import annotations
 
+import copy
+import math
+from types import MethodType
+
 import torch
+import torch.nn.functional as F
 
 QMAX = 127  # symmetric: q in [-127, 127], so -q never overflows and the grid is centred on 0
 
@@ -97,3 +102,53 @@ def matmul_quantize_int8_reference(
     q, scale = quantize_int8_perrow_reference(fpa.reshape(-1, fpa.shape[-1]))  # (M, K), (M,)
     out = matmul_int8_reference(q, scale, b, b_scale)  # (M, N)
     return out.reshape(*fpa.shape[:-1], b.shape[1])
+
+
+def silu_mul_quantize_int8_reference(
+    gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int8_perrow_reference(F.silu(gate) * up)``: a gated MLP's hidden rows quantized
+    per token for ``down_proj``.
+
+    ``F.silu(gate)`` is rounded to the inputs' dtype, then the product, as eager PyTorch rounds
+    ``act_fn(gate) * up`` in a Hugging Face MLP.
+
+    Args:
+        gate: (..., N) float16, bfloat16 or float32.
+        up: ``gate``'s shape and dtype.
+
+    Returns:
+        ``q`` (M, N) int8 with the leading dims flattened to M, and ``scale`` (M,) in
+        ``gate.dtype``.
+    """
+    hidden = F.silu(gate) * up  # (..., N)
+    return quantize_int8_perrow_reference(
+        hidden.reshape(math.prod(gate.shape[:-1]), gate.shape[-1])
+    )
+
+
+def _w8a8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    q, scale = quantize_int8_perrow_reference(x.reshape(-1, x.shape[-1]))  # (M, K), (M,)
+    q_w, scale_w = quantize_int8_perrow_reference(self.weight)  # per output channel: (N, K), (N,)
+    out = matmul_int8_reference(q, scale, q_w.t(), scale_w, self.bias)  # (M, N)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def w8a8_reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A float32 copy of ``model`` whose plain ``nn.Linear`` layers compute the package's W8A8
+    scheme with the eager spec: inputs quantized per token, weights per output channel, the
+    exact integer product rescaled (:func:`matmul_int8_reference`). What ``quantize_model`` and
+    ``quantize_linears`` are measured against (issue 26's "fp32 model running the same W8A8
+    scheme"); everything else (norms, SiLU, attention) runs the model's own float32 code.
+
+    Args:
+        model: any module; it is not modified.
+
+    Returns:
+        The copy, in float32, on ``model``'s device.
+    """
+    reference = copy.deepcopy(model).float()
+    for module in reference.modules():
+        if type(module) is torch.nn.Linear:
+            module.forward = MethodType(_w8a8_linear_forward, module)
+    return reference

@@ -1,0 +1,365 @@
+"""``quantize_model``: a Hugging Face Llama-, Mistral- or Qwen2-family model in W8A8, rewritten
+one decoder layer at a time.
+
+Quantizing each ``nn.Linear`` on its own (``quantize_linears``) quantizes the same normalized rows
+three times for q, k and v and twice for gate and up, each in a pass of its own. A rewritten
+decoder layer runs instead (each bracket is one kernel):
+
+    [RMSNorm -> int8 rows + per-token scales]          rms_norm_quantize_int8 (kernels-fused)
+    [q | k | v: one GEMM over concatenated weights]    self_attn.qkv_proj, split back as views
+    attention: transformers' own forward (rotary, KV cache, masks, the attention implementation)
+    [o_proj: quantize + GEMM]                          an Int8Linear as quantize_linears makes
+    [residual add + RMSNorm -> int8 rows + scales]     rms_norm_quantize_int8(residual=)
+    [gate | up: one GEMM]                              mlp.gate_up_proj
+    [SiLU(gate) * up -> int8 rows + scales]            silu_mul_quantize_int8
+    [down_proj GEMM]                                   mlp.down_proj.forward_quantized
+    residual add
+
+The attention keeps transformers' forward: its ``q_proj``, ``k_proj`` and ``v_proj`` become
+:class:`ProjectionSlice` views of the fused projection's output, which the layer passes to it in
+place of the normalized hidden states. The layer's and the MLP's new forwards are bound to those
+instances only (other models in the process keep transformers' code).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import warnings
+from types import MethodType
+
+import torch
+from torch import nn
+
+from llmsys.kernels_fused import rms_norm_quantize_int8
+
+from . import ops
+from .functional import quantize_int8_perrow
+from .modules import Int8Linear, quantize_linears
+from .silu_mul_quantize import silu_mul_quantize_int8
+
+logger = logging.getLogger(__name__)
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+class ProjectionSlice(nn.Module):
+    """Columns ``start:stop`` of a fused projection's output (..., width), as a view.
+
+    Stands in for ``q_proj``, ``k_proj`` or ``v_proj`` in an attention whose projections
+    ``quantize_model`` fused into ``qkv_proj``: transformers' attention forward calls
+    ``self.q_proj(hidden_states)`` on what the rewritten decoder layer passes it, the fused
+    output. Given anything of another width (the normalized hidden states of a caller that does
+    not know the layer was rewritten) it raises instead of computing a wrong projection.
+    """
+
+    def __init__(self, start: int, stop: int, width: int, fused: str) -> None:
+        super().__init__()
+        self.start, self.stop, self.width, self.fused = start, stop, width, fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.width:
+            raise ValueError(
+                f"ProjectionSlice: `x` must be the output of the fused {self.fused} (..., "
+                f"{self.width}), got shape {tuple(x.shape)}; a layer rewritten by quantize_model "
+                "feeds its attention the fused projection: call the decoder layer, not its "
+                "self_attn"
+            )
+        return x[..., self.start : self.stop]
+
+    def extra_repr(self) -> str:
+        return f"columns {self.start}:{self.stop} of {self.fused} (width {self.width})"
+
+
+# --- the rewritten forwards (bound to one instance each) ------------------------------------------
+
+
+def _mlp_on_rows(mlp: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The gated MLP on int8 rows (M, H) and their scales (M,): (M, H)."""
+    gate_up = mlp.gate_up_proj.forward_quantized(q, scale)  # (M, 2I)
+    inner = gate_up.shape[1] // 2
+    q, scale = silu_mul_quantize_int8(gate_up[:, :inner], gate_up[:, inner:])  # (M, I), (M,)
+    return mlp.down_proj.forward_quantized(q, scale)  # (M, H)
+
+
+def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's forward on float rows, for callers of ``layer.mlp`` alone (the decoder
+    layer feeds it int8 rows from its norm): quantize per token, then the fused path."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ops.inference_only_error("quantize_model's MLP")
+    lead = x.shape[:-1]
+    q, scale = quantize_int8_perrow(x.reshape(math.prod(lead), x.shape[-1]))  # (M, H), (M,)
+    return _mlp_on_rows(self, q, scale).view(*lead, self.down_proj.out_features)
+
+
+def _check_hidden_states(layer: nn.Module, hidden_states) -> None:
+    """Refuse what the fused path would serve wrongly or through a slower copy: gradients, a
+    dtype other than the layer's, a non-contiguous tensor."""
+    op = "quantize_model's decoder layer"
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        raise ops.inference_only_error(op)
+    dtype = layer.self_attn.qkv_proj.weight_scale.dtype
+    if hidden_states.dtype != dtype:
+        raise TypeError(
+            f"{op}: `hidden_states` must have the layer's dtype {dtype}, got {hidden_states.dtype}"
+        )
+    if not hidden_states.is_contiguous():
+        raise ValueError(
+            f"{op}: `hidden_states` must be contiguous, got strides {hidden_states.stride()}"
+        )
+
+
+def decoder_layer_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """The decoder layer in W8A8: transformers' order (norm, attention, add, norm, MLP, add),
+    each norm writing int8 rows for the GEMM after it. The keyword arguments (the KV cache,
+    ``use_cache``, ``position_embeddings``, ...) go to the attention as transformers' layer
+    passes them."""
+    _check_hidden_states(self, hidden_states)
+    lead = hidden_states.shape[:-1]
+    norm = self.input_layernorm
+    q, scale = rms_norm_quantize_int8(hidden_states, norm.weight, norm.variance_epsilon)
+    qkv_proj = self.self_attn.qkv_proj
+    qkv = qkv_proj.forward_quantized(q, scale).view(*lead, qkv_proj.out_features)  # (..., Wq+Wk+Wv)
+    attn, _ = self.self_attn(
+        hidden_states=qkv, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+    )  # (..., H)
+    norm = self.post_attention_layernorm
+    q, scale, hidden_states = rms_norm_quantize_int8(
+        attn, norm.weight, norm.variance_epsilon, residual=hidden_states
+    )  # (M, H) int8, (M,), hidden + attn (..., H)
+    return hidden_states + _mlp_on_rows(self.mlp, q, scale).view(hidden_states.shape)
+
+
+# --- recognising a layer --------------------------------------------------------------------------
+
+
+def _family_classes() -> dict[str, tuple[type, ...]]:
+    """transformers' decoder layer, attention, MLP and RMSNorm classes of the three families."""
+    try:
+        modules = {
+            f: importlib.import_module(f"transformers.models.{f}.modeling_{f}") for f in FAMILIES
+        }
+        from transformers.activations import ACT2FN
+    except ImportError as error:
+        raise ImportError(
+            "quantize_model needs transformers: pip install 'llmsys-kernels-int8[hf]'"
+        ) from error
+    classes = {
+        part: tuple(getattr(modules[f], prefix + part) for f, prefix in FAMILIES.items())
+        for part in ("DecoderLayer", "Attention", "MLP", "RMSNorm")
+    }
+    classes["SiLU"] = (nn.SiLU, type(ACT2FN["silu"]), type(ACT2FN["swish"]))
+    return classes
+
+
+def _float_linears(owner: nn.Module, names: tuple[str, ...]) -> str | None:
+    """Why ``owner``'s projections ``names`` cannot become one int8 GEMM, or None: each a plain
+    nn.Linear, of one float dtype and one input width."""
+    linears = [getattr(owner, name, None) for name in names]
+    for name, linear in zip(names, linears, strict=True):
+        if type(linear) is not nn.Linear:
+            return f"{name} is {type(linear).__name__}, not nn.Linear"
+    if len({linear.weight.dtype for linear in linears}) > 1:
+        return f"{', '.join(names)} have different dtypes"
+    if linears[0].weight.dtype not in ops.FLOAT_DTYPES:
+        return f"{names[0]} weight is {linears[0].weight.dtype}, not float16/bfloat16/float32"
+    if len({linear.in_features for linear in linears}) > 1:
+        return f"{', '.join(names)} have different in_features"
+    return None
+
+
+def unfit_reason(layer: nn.Module, classes: dict[str, tuple[type, ...]]) -> str | None:
+    """Why ``layer`` is not a decoder layer ``quantize_model`` can rewrite, or None if it is."""
+    if type(layer) not in classes["DecoderLayer"]:
+        return f"{type(layer).__name__} is not a Llama-, Mistral- or Qwen2-family decoder layer"
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    for part, module, kind in (("self_attn", attn, "Attention"), ("mlp", mlp, "MLP")):
+        if type(module) not in classes[kind]:
+            return f"{part} is {type(module).__name__}, not a transformers {kind} of the families"
+    for part in ("input_layernorm", "post_attention_layernorm"):
+        if type(getattr(layer, part, None)) not in classes["RMSNorm"]:
+            return f"{part} is {type(getattr(layer, part, None)).__name__}, not an RMSNorm"
+    if type(mlp.act_fn) not in classes["SiLU"]:
+        return f"mlp.act_fn is {type(mlp.act_fn).__name__}, not SiLU"
+    groups = [
+        (attn, ("q_proj", "k_proj", "v_proj")),
+        (attn, ("o_proj",)),
+        (mlp, ("gate_proj", "up_proj")),
+        (mlp, ("down_proj",)),
+    ]
+    for owner, names in groups:
+        why = _float_linears(owner, names)
+        if why:
+            return why
+    return None
+
+
+# --- building -------------------------------------------------------------------------------------
+
+
+def fuse_linears(linears: list[nn.Linear]) -> Int8Linear:
+    """One :class:`Int8Linear` over the concatenated output channels of ``linears``.
+
+    Weights are quantized per output channel, so quantizing each layer and concatenating equals
+    quantizing the concatenation; the biases are concatenated (zeros for a layer without one
+    when another has one). Column ``sum(out_features[:i])`` on is layer ``i``'s output.
+    """
+    parts = [Int8Linear.from_float(linear) for linear in linears]
+    has_bias = any(part.bias is not None for part in parts)
+    first = parts[0]
+    fused = Int8Linear(
+        first.in_features,
+        sum(part.out_features for part in parts),
+        bias=has_bias,
+        device=first.qweight.device,
+        dtype=first.weight_scale.dtype,
+    )
+    fused.qweight = torch.cat([part.qweight for part in parts])  # (N, K)
+    fused.weight_scale = torch.cat([part.weight_scale for part in parts])  # (N,)
+    if has_bias:
+        fused.bias = torch.cat(
+            [
+                part.bias
+                if part.bias is not None
+                else part.weight_scale.new_zeros(part.out_features)
+                for part in parts
+            ]
+        )  # (N,)
+    return fused
+
+
+def _plan_layer(layer: nn.Module):
+    """Quantize ``layer``'s projections; returns a function that installs them (so a refusal
+    raised while quantizing any layer leaves the model unchanged)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj]
+    qkv = fuse_linears(projections)
+    o_proj = Int8Linear.from_float(attn.o_proj)
+    gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
+    down = Int8Linear.from_float(mlp.down_proj)
+
+    def install() -> None:
+        attn.qkv_proj, attn.o_proj = qkv, o_proj
+        start = 0
+        for name, linear in zip(("q_proj", "k_proj", "v_proj"), projections, strict=True):
+            stop = start + linear.out_features
+            setattr(attn, name, ProjectionSlice(start, stop, qkv.out_features, "qkv_proj"))
+            start = stop
+        del mlp.gate_proj, mlp.up_proj
+        mlp.gate_up_proj, mlp.down_proj = gate_up, down
+        mlp.forward = MethodType(mlp_forward, mlp)
+        layer.forward = MethodType(decoder_layer_forward, layer)
+
+    return install
+
+
+def quantize_model(model: nn.Module) -> dict[str, list[str]]:
+    """Serve a Llama-, Mistral- or Qwen2-family model in W8A8, its decoder layers fused, in place.
+
+    Each decoder layer of the three families (``LlamaDecoderLayer``, ``MistralDecoderLayer``,
+    ``Qwen2DecoderLayer`` with their attention, gated SiLU MLP and RMSNorms) is rewritten:
+    q, k and v run as one int8 GEMM over their concatenated weights (and biases), gate and up
+    as another; each RMSNorm writes int8 rows and per-token scales for the GEMM after it; after
+    the gate/up GEMM one row-wise kernel computes SiLU-and-mul and the per-token quantization
+    for ``down_proj``. ``o_proj`` and ``down_proj`` become :class:`Int8Linear`. The scheme is
+    :func:`quantize_linears`'s (weights per output channel, activations per token), computed
+    with fewer passes; transformers' attention (rotary, KV cache, masks) is kept.
+
+    Every other plain ``nn.Linear`` is swapped for an ``Int8Linear`` as :func:`quantize_linears`
+    swaps it: the causal LM's ``lm_head`` (as ``quantize_linears``' default does), and the
+    linears of modules it does not recognise (a decoder layer of the families with another
+    activation, say, or a vision tower), with a warning that lists those.
+
+    Inference only: a rewritten layer raises ``RuntimeError`` when grad mode is on and its input
+    requires grad. The rewritten layer's ``self_attn`` takes the fused q|k|v projection's output,
+    not hidden states (see :class:`ProjectionSlice`); its ``mlp`` alone still takes float rows.
+
+    Args:
+        model: a transformers ``LlamaForCausalLM``, ``MistralForCausalLM`` or
+            ``Qwen2ForCausalLM``, their base ``*Model``, or any module holding their decoder
+            layers, with float16, bfloat16 or float32 weights.
+
+    Returns:
+        What was replaced (also logged at INFO by the ``llmsys.kernels_int8.model`` logger):
+        ``"decoder_layers"``, the names of the rewritten layers; ``"linears"``, the other
+        ``nn.Linear`` swapped for ``Int8Linear``; ``"fallback"``, the modules it did not
+        recognise, whose linears are among ``"linears"`` (the warning's list).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or a weight of a layer is not float16,
+            bfloat16 or float32.
+        ValueError: ``model`` is already quantized (holds an ``Int8Linear``), or holds no decoder
+            layer it can rewrite; nothing is changed then.
+        ImportError: transformers is not installed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_model: `model` must be an nn.Module, got {type(model).__name__}")
+    named = list(model.named_modules())
+    quantized = [name or type(m).__name__ for name, m in named if isinstance(m, Int8Linear)]
+    if quantized:
+        raise ValueError(
+            f"quantize_model: `model` must not be quantized already, got {len(quantized)} "
+            f"Int8Linear ({', '.join(quantized[:3])}{', ...' if len(quantized) > 3 else ''})"
+        )
+    classes = _family_classes()
+    layers, rejected = [], []
+    for name, module in named:
+        if type(module) in classes["DecoderLayer"]:
+            why = unfit_reason(module, classes)
+            if why:
+                rejected.append((name, module, f"{type(module).__name__}: {why}"))
+            else:
+                layers.append((name, module, None))
+    if not layers:
+        found = [f"{n} ({why})" for n, _, why in rejected] or sorted(
+            {type(m).__name__ for _, m in named if "DecoderLayer" in type(m).__name__}
+        )
+        raise ValueError(
+            "quantize_model: `model` must hold Llama-, Mistral- or Qwen2-family decoder layers "
+            f"it can rewrite, got {', '.join(found) or 'none'} in {type(model).__name__}; "
+            "nothing was changed (quantize_linears swaps the nn.Linear of any model)"
+        )
+    # The plain nn.Linear outside the layers it rewrites: lm_head, and those of the modules it
+    # does not recognise (the fallback, warned about).
+    inside = tuple(f"{name}." for name, _, _ in layers)
+    rest = [(n, m) for n, m in named if type(m) is nn.Linear and not n.startswith(inside)]
+    for name, linear in rest:  # quantize_linears would raise after the layers were rewritten
+        if linear.weight.dtype not in ops.FLOAT_DTYPES:
+            raise TypeError(
+                f"quantize_model: `model` weights must be float16, bfloat16 or float32, got "
+                f"{linear.weight.dtype} in {name}; nothing was changed"
+            )
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_rejected = tuple(f"{name}." for name, _, _ in rejected)
+    fallback = [(name, why) for name, _, why in rejected] + [
+        (name, "an nn.Linear outside the decoder layers")
+        for name, module in rest
+        if module is not head and not name.startswith(in_rejected)
+    ]
+    installs = [_plan_layer(layer) for _, layer, _ in layers]
+    for install in installs:
+        install()
+    if rest:
+        names = {name for name, _ in rest}
+        quantize_linears(model, include=lambda name, module: name in names)
+    if fallback:
+        warnings.warn(
+            "quantize_model: these modules are not Llama-, Mistral- or Qwen2-family decoder "
+            "layers it can rewrite, so their nn.Linear were swapped for Int8Linear one by one "
+            f"(quantize_linears): {'; '.join(f'{name} ({why})' for name, why in fallback)}",
+            stacklevel=2,
+        )
+    report = {
+        "decoder_layers": [name for name, _, _ in layers],
+        "linears": [name for name, _ in rest],
+        "fallback": [name for name, _ in fallback],
+    }
+    logger.info("quantize_model: %s", "; ".join(f"{k}: {len(v)}" for k, v in report.items()))
+    return report

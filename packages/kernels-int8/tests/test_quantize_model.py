@@ -1,0 +1,282 @@
+"""quantize_model on tiny Llama, Mistral and Qwen2 configs: logits against a float32 model running
+the same W8A8 scheme, against quantize_linears, and loosely against the float model; the fused
+projections split back exactly; transformers' KV cache and masks still work; the fallback
+warning, the refusals and bad arguments.
+
+The reference (``w8a8_reference_model``) is the float model with every nn.Linear computing the
+package's eager spec: weights quantized per output channel, inputs per token, the exact integer
+product rescaled (``matmul_int8_reference``). The fused path computes the same scheme with
+other kernels for the RMSNorm (kernels-fused) and SiLU (this package), whose float32 results can
+differ from eager's in the last bit; such a difference moves an int8 value only when it sits on
+a rounding tie, by one step on one element, while the scheme itself errs by up to half a step on
+every element. So in float32 the fused path must stay within 5% of the scheme's own error
+(measured: about 1e-7 relative, i.e. no flip at these sizes, against 2-3e-2), which any wrong
+scale, split or residual would exceed by far.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from llmsys.kernels_int8 import (
+    Int8Linear,
+    ProjectionSlice,
+    quantize_int8_perrow,
+    quantize_linears,
+    quantize_model,
+    w8a8_reference_model,
+)
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # Qwen2: q, k, v biases
+SIZES = dict(
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention: k and v narrower than q
+    vocab_size=101,
+    max_position_embeddings=64,
+)
+
+
+def tiny_model(family: str, device, **config) -> nn.Module:
+    """A randomly initialised float32 causal LM, every parameter drawn (norm weights around 1,
+    biases and projections well away from 0) so that no part of the layer is a no-op."""
+    prefix = FAMILIES[family]
+    config = getattr(transformers, f"{prefix}Config")(**{**SIZES, **config})
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.3 if "bias" in name else 0.1)
+    return model.to(device).eval()
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.double(), expected.double()
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def tokens(device, batch=2, length=7):
+    return torch.randint(0, SIZES["vocab_size"], (batch, length), device=device)
+
+
+@torch.no_grad()
+def logits(model, ids, **kwargs):
+    return model(ids, **kwargs).logits.float()
+
+
+# --- against the reference -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_the_w8a8_reference(family, device):
+    """float32: within 5% of the scheme's own error (see above). float16, issue 26's criterion:
+    the error against the float32 reference no larger than the unfused quantize_linears path's
+    (10% allowed for ties that round the other way; measured equal)."""
+    model = tiny_model(family, device)
+    ids = tokens(device)
+    float_logits, expected = logits(model, ids), logits(w8a8_reference_model(model), ids)
+    half, unfused = copy.deepcopy(model).half(), quantize_linears(copy.deepcopy(model).half())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model of the families falls back nowhere
+        report = quantize_model(model)
+    assert report == {
+        "decoder_layers": ["model.layers.0", "model.layers.1"],
+        "linears": ["lm_head"],
+        "fallback": [],
+    }
+    got = logits(model, ids)
+    scheme_error = relative_error(expected, float_logits)
+    error = relative_error(got, expected)
+    print(
+        f"{family} float32: fused vs reference {error:.1e}, reference vs float {scheme_error:.1e}"
+    )
+    assert error <= 0.05 * scheme_error
+    assert relative_error(got, float_logits) < 0.1  # the quantization error, loosely
+
+    quantize_model(half)
+    half_error = relative_error(logits(half, ids), expected)
+    unfused_error = relative_error(logits(unfused, ids), expected)
+    print(f"{family} float16 vs the reference: fused {half_error:.4f}, unfused {unfused_error:.4f}")
+    assert half_error <= 1.1 * unfused_error
+
+
+def test_generation_with_the_kv_cache_and_a_padding_mask(device):
+    """transformers' cache and masks pass through the rewritten layers: the logits of each
+    generated token equal those of one forward over the whole sequence."""
+    model = tiny_model("llama", device)
+    quantize_model(model)
+    ids = tokens(device, length=6)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # the second sequence is left-padded by two tokens
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=2,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    steps = torch.stack(out.logits, dim=1).float()  # (B, 2, V)
+    sequences = out.sequences  # (B, 8)
+    full_mask = torch.cat([mask, torch.ones_like(sequences[:, 6:])], dim=1)
+    full = logits(model, sequences[:, :-1], attention_mask=full_mask[:, :-1])[:, -2:]  # (B, 2, V)
+    assert torch.equal(steps.argmax(-1), sequences[:, 6:])
+    assert relative_error(steps, full) < 1e-3, relative_error(steps, full)
+
+
+# --- the fused projections -----------------------------------------------------------------------
+
+
+def test_concatenated_projections_split_back_exactly(device, poisoned_allocations):
+    model = tiny_model("llama", device, attention_bias=True, mlp_bias=True)
+    original = copy.deepcopy(model.model.layers[0])
+    quantize_model(model)
+    layer = model.model.layers[0]
+    x = torch.randn(5, SIZES["hidden_size"], device=device)
+    q, scale = quantize_int8_perrow(x)  # (5, 48), (5,)
+
+    attn, attn_before = layer.self_attn, original.self_attn
+    qkv = attn.qkv_proj.forward_quantized(q, scale)  # (5, Wq + Wk + Wv)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        alone = Int8Linear.from_float(getattr(attn_before, name))
+        assert isinstance(getattr(attn, name), ProjectionSlice)
+        assert torch.equal(getattr(attn, name)(qkv), alone.forward_quantized(q, scale)), name
+    assert isinstance(attn.o_proj, Int8Linear)
+
+    mlp, mlp_before = layer.mlp, original.mlp
+    gate_up = mlp.gate_up_proj.forward_quantized(q, scale)  # (5, 2I)
+    inner = SIZES["intermediate_size"]
+    for name, columns in (("gate_proj", gate_up[:, :inner]), ("up_proj", gate_up[:, inner:])):
+        alone = Int8Linear.from_float(getattr(mlp_before, name))
+        assert torch.equal(columns, alone.forward_quantized(q, scale)), name
+        assert not hasattr(mlp, name)  # the float weights are gone
+    assert isinstance(mlp.down_proj, Int8Linear)
+
+
+def test_the_mlp_alone_takes_float_rows(device):
+    model = tiny_model("qwen2", device)
+    original = copy.deepcopy(model.model.layers[1].mlp)
+    quantize_model(model)
+    x = torch.randn(2, 3, SIZES["hidden_size"], device=device)
+    with torch.no_grad():
+        got = model.model.layers[1].mlp(x)  # (2, 3, 48)
+        float_out = original(x)
+        gate, up, down = (
+            Int8Linear.from_float(getattr(original, n))
+            for n in ("gate_proj", "up_proj", "down_proj")
+        )
+        unfused = down(nn.functional.silu(gate(x)) * up(x))
+    assert got.shape == x.shape
+    assert relative_error(got, unfused) <= 0.05 * relative_error(unfused, float_out)
+
+
+def test_the_attention_alone_refuses_hidden_states(device):
+    model = tiny_model("mistral", device)
+    quantize_model(model)
+    with pytest.raises(ValueError, match=r"`x` must be the output of the fused qkv_proj"):
+        model.model.layers[0].self_attn.q_proj(torch.randn(1, 3, SIZES["hidden_size"]))
+
+
+# --- fallback, refusals, bad arguments -----------------------------------------------------------
+
+
+def test_unrecognised_modules_fall_back_to_int8_linear_with_a_warning(device):
+    model = tiny_model("llama", device)
+    model.model.layers[1].mlp.act_fn = nn.GELU()
+    model.model.extra = nn.Linear(8, 8, device=device)  # outside every decoder layer
+    ids = tokens(device)
+    float_logits, expected = logits(model, ids), logits(w8a8_reference_model(model), ids)
+    warning = (
+        r"quantize_linears\): model\.layers\.1 \(LlamaDecoderLayer: mlp\.act_fn is GELU, not "
+        r"SiLU\); model\.extra \(an nn\.Linear outside"
+    )
+    with pytest.warns(UserWarning, match=warning):
+        report = quantize_model(model)
+    assert report["decoder_layers"] == ["model.layers.0"]
+    assert report["fallback"] == ["model.layers.1", "model.extra"]
+    assert "model.layers.1.mlp.gate_proj" in report["linears"] and "lm_head" in report["linears"]
+    fallback = model.model.layers[1]
+    assert (
+        type(fallback.self_attn.q_proj) is Int8Linear and type(fallback.mlp.up_proj) is Int8Linear
+    )
+    assert "forward" not in vars(fallback)  # transformers' own forward, over Int8Linear
+    assert type(model.model.extra) is Int8Linear
+    got = logits(model, ids)
+    assert relative_error(got, expected) <= 0.05 * relative_error(expected, float_logits)
+
+
+def test_a_model_without_a_layer_it_can_rewrite_is_refused(device):
+    model = tiny_model("qwen2", device)
+    for layer in model.model.layers:
+        layer.mlp.act_fn = nn.GELU()
+    refusal = (
+        r"decoder layers it can rewrite, got model\.layers\.0 \(Qwen2DecoderLayer: "
+        r"mlp\.act_fn is GELU.*nothing was changed"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        quantize_model(model)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(model.lm_head) is nn.Linear
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with pytest.raises(ValueError, match=r"got none in Sequential"):
+        quantize_model(plain)
+    assert type(plain[0]) is nn.Linear
+
+
+@pytest.mark.parametrize("first", [quantize_model, quantize_linears], ids=lambda f: f.__name__)
+def test_an_already_quantized_model_is_refused(first, device):
+    model = tiny_model("llama", device)
+    first(model)
+    with pytest.raises(
+        ValueError, match=r"`model` must not be quantized already, got \d+ Int8Linear"
+    ):
+        quantize_model(model)
+
+
+def test_bad_arguments_raise_naming_them(device):
+    with pytest.raises(TypeError, match=r"`model` must be an nn.Module, got str"):
+        quantize_model("model")
+    model = tiny_model("llama", device)
+    model.extra = nn.Linear(4, 4, dtype=torch.float64, device=device)
+    refusal = r"weights must be float16, bfloat16 or float32, got torch.float64 in extra; nothing"
+    with pytest.raises(TypeError, match=refusal):
+        quantize_model(model)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert "forward" not in vars(model.model.layers[0])
+
+
+def test_the_layer_refuses_what_it_cannot_serve(device):
+    """Gradients, another dtype, a non-contiguous input: an error, never a slower copy."""
+    model = tiny_model("llama", device)
+    quantize_model(model)
+    ids = tokens(device)
+    with pytest.raises(RuntimeError, match=r"quantize_model's decoder layer is inference-only"):
+        model(ids)  # grad mode on, the embedding requires grad
+    with torch.inference_mode():
+        assert model(ids).logits.shape == (*ids.shape, SIZES["vocab_size"])
+        layer = model.model.layers[0]
+        hidden = torch.randn(2, 5, SIZES["hidden_size"], device=device)
+        with pytest.raises(TypeError, match=r"`hidden_states` must have the layer's dtype"):
+            layer(hidden.half())
+        with pytest.raises(ValueError, match=r"`hidden_states` must be contiguous"):
+            layer(hidden.transpose(0, 1))
+
+
+def test_compile_fullgraph(device):
+    """The rewritten layers trace as one graph: every op has a fake implementation."""
+    model = tiny_model("qwen2", device)
+    quantize_model(model)
+    ids = tokens(device)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(logits(compiled, ids, use_cache=False), logits(model, ids, use_cache=False))
