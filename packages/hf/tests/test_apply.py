@@ -189,3 +189,21 @@ def test_refusals_name_the_problem_and_change_nothing():
     partial.config.partial_rotary_factor = 0.5
     with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5"):
         apply_llmsys(partial)
+
+
+def test_with_the_int8_serving_work_either_order_is_refused_clearly():
+    """quantize_model rewrites transformers' own layers, apply_llmsys needs float ones: each
+    after the other is refused with a ValueError that says why, before anything changes."""
+    kernels_int8 = pytest.importorskip("llmsys.kernels_int8")
+    model = build("llama")
+    apply_llmsys(model)
+    with pytest.raises(ValueError, match=r"mlp is SwiGLUGatedMLP"):
+        kernels_int8.quantize_model(model)
+    assert not any(type(m).__name__ == "Int8Linear" for m in model.modules())
+
+    quantized = build("llama")
+    kernels_int8.quantize_model(quantized)
+    forwards_before = [m.__dict__.get("forward") for m in quantized.modules()]
+    with pytest.raises(ValueError, match=r"quantized already"):
+        apply_llmsys(quantized)
+    assert [m.__dict__.get("forward") for m in quantized.modules()] == forwards_before

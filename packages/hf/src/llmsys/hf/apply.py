@@ -81,7 +81,8 @@ def apply_llmsys(
         TypeError: ``model`` is not an ``nn.Module``, or a part's switch is not a bool.
         ValueError: the model has no decoder layer of the three families, or a part does not fit
             it (an MLP activation other than SiLU, partial rotary, no causal-LM head for
-            ``loss``); nothing is replaced then.
+            ``loss``), or the model was quantized by ``llmsys.kernels_int8``; nothing is replaced
+            then.
         ImportError: transformers is not installed.
 
     Each replaced forward is bound to its module instance: other models in the process keep
@@ -107,6 +108,13 @@ def apply_llmsys(
             "apply_llmsys: `model` must hold Llama-, Mistral- or Qwen2-family decoder layers "
             f"(LlamaDecoderLayer, MistralDecoderLayer, Qwen2DecoderLayer), got "
             f"{', '.join(found) or 'none'} in {type(model).__name__}"
+        )
+    quantized = [n for n, m in named if type(m).__module__.startswith("llmsys.kernels_int8")]
+    if quantized:
+        raise ValueError(
+            "apply_llmsys: `model` is quantized already (llmsys.kernels_int8 modules, e.g. "
+            f"{quantized[0]!r}); the training kernels need its float layers: call apply_llmsys "
+            "on the float model (quantize_model after it falls back to a plain int8 swap)"
         )
     config = layers[0][1].self_attn.config
     if rotary and getattr(config, "partial_rotary_factor", 1.0) != 1.0:
