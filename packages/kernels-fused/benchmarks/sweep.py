@@ -38,6 +38,12 @@ def rms_norm_eager(x, weight, eps=1e-6):
     return weight * x32.to(x.dtype)
 
 
+def add_rms_norm_eager(x, residual, weight, eps=1e-6):
+    """A decoder layer's residual add, then its RMSNorm: ``(norm(x + residual), x + residual)``."""
+    s = x + residual
+    return rms_norm_eager(s, weight, eps), s
+
+
 def rotate_half(x):
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -64,9 +70,15 @@ def _liger():
 
 
 def providers(op: str, device: str, hidden: int) -> dict:
-    eager = {"rms_norm": rms_norm_eager, "rotary": rotary_eager, "loss": loss_eager}[op]
+    eager = {
+        "rms_norm": rms_norm_eager,
+        "add_rms_norm": add_rms_norm_eager,
+        "rotary": rotary_eager,
+        "loss": loss_eager,
+    }[op]
     ours = {
         "rms_norm": lambda x, w: kf.rms_norm(x, w, 1e-6),
+        "add_rms_norm": lambda x, r, w: kf.rms_norm(x, w, 1e-6, residual=r),
         "rotary": kf.rotary,
         "loss": kf.linear_cross_entropy,
     }[op]
@@ -76,14 +88,22 @@ def providers(op: str, device: str, hidden: int) -> dict:
     found["compile"] = torch.compile(eager, dynamic=False)
     liger = _liger()
     if liger is not None:
-        if op == "rms_norm":
+        if op in ("rms_norm", "add_rms_norm"):
             module = liger.LigerRMSNorm(hidden, eps=1e-6).to(device)
 
             def liger_norm(x, w, module=module):
                 module.weight = torch.nn.Parameter(w, requires_grad=w.requires_grad)
                 return module(x)
 
-            found["liger"] = liger_norm
+            if op == "rms_norm":
+                found["liger"] = liger_norm
+            else:  # Liger has no fused add: the add in eager, then its norm
+
+                def liger_add_norm(x, r, w, norm=liger_norm):
+                    s = x + r
+                    return norm(s, w), s
+
+                found["liger"] = liger_add_norm
         elif op == "rotary":
             found["liger"] = liger.liger_rotary_pos_emb
         else:
@@ -95,10 +115,14 @@ def providers(op: str, device: str, hidden: int) -> dict:
 def inputs(op: str, shape: tuple, tokens: int, device: str, dtype, grad: bool):
     hidden, vocab, q_heads, kv_heads, head_dim = shape
     make = dict(device=device, dtype=dtype)
-    if op == "rms_norm":
+    if op in ("rms_norm", "add_rms_norm"):
         x = torch.randn(tokens, hidden, **make, requires_grad=grad)
         w = (1 + 0.1 * torch.randn(hidden, **make)).requires_grad_(grad)
-        return (x, w), (x, w), x.numel() * dtype.itemsize * (2 if not grad else 5)
+        if op == "rms_norm":  # fwd: x, y; fwd_bwd: also g, x again, dx
+            return (x, w), (x, w), x.numel() * dtype.itemsize * (2 if not grad else 5)
+        r = torch.randn(tokens, hidden, **make, requires_grad=grad)
+        # fwd: x, r, y, s; fwd_bwd: also g_y, g_s, s again, dx (the same for r)
+        return (x, r, w), (x, r, w), x.numel() * dtype.itemsize * (4 if not grad else 8)
     if op == "rotary":
         batch, seq = (4, tokens // 4) if tokens % 4 == 0 else (1, tokens)
         # q and k as transformers makes them: projections viewed as heads and transposed
@@ -136,7 +160,7 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
     for (model, shape), op, mode in [
         (m, op, mode)
         for m in models.items()
-        for op in ("rms_norm", "rotary", "loss")
+        for op in ("rms_norm", "add_rms_norm", "rotary", "loss")
         for mode in ("fwd", "fwd_bwd")
     ]:
         args, leaves, work = inputs(op, shape, tokens, device, dtype, grad=mode == "fwd_bwd")

@@ -462,3 +462,9 @@ def test_default_chunk_size():
     assert lce.default_chunk_size(5000, 32000, 2) == 8192  # the first power of two >= N
     assert lce.default_chunk_size(13, 37, 4) == 1024  # at least MIN_CHUNK: one chunk
     assert lce.default_chunk_size(8192, 10**6, 2) == 1024  # even where that is over 1 GiB
+
+
+def test_a_hidden_size_of_zero_is_refused_naming_hidden():
+    hidden, weight = torch.randn(3, 0), torch.randn(5, 0)
+    with pytest.raises(ValueError, match=r"`hidden` must be \(\.\.\., H\) with H >= 1"):
+        linear_cross_entropy(hidden, weight, torch.zeros(3, dtype=torch.long))

@@ -575,11 +575,15 @@ def linear_cross_entropy(
     Memory: one chunk of logits in the matmul dtype (at most 1 GiB by default), the gradients,
     and for 16-bit weights a float32 accumulator of the weight gradient (4 V H bytes). Works under
     ``torch.compile(fullgraph=True)`` and in CUDA graphs (no host sync). Double backward is not
-    supported, nor a second backward through the same graph.
+    supported, nor a second backward through the same graph. The gradients are computed in the
+    forward whenever grad mode is on and an input requires grad (three matmuls instead of one):
+    compute a validation loss under ``torch.no_grad()``.
     """
     op = "linear_cross_entropy"
     checks.tensors(op, optional=("bias",), hidden=hidden, weight=weight, target=target, bias=bias)
-    if hidden.dim() < 1 or target.shape != hidden.shape[:-1]:
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise ValueError(f"{op}: `hidden` must be (..., H) with H >= 1, got {tuple(hidden.shape)}")
+    if target.shape != hidden.shape[:-1]:
         raise ValueError(
             f"{op}: `target` must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
             f"got {tuple(target.shape)}"
