@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from llmsys.triton_launch import (
     call_below_autograd,
@@ -37,6 +36,10 @@ from llmsys.triton_launch import (
     runs_under_interpreter,
     wants_grad,
 )
+from llmsys.triton_launch.precise import exp as _exp
+from llmsys.triton_launch.precise import log as _log
+
+from .reference import compute_dtype
 
 NAMESPACE = "llmsys_fused"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -50,24 +53,6 @@ CHUNK_BYTES = 1 << 30  # a chunk's logits: vocab 32000 in bf16 at 8192 rows, 128
 
 
 # --- the row kernel -------------------------------------------------------------------------------
-
-
-@triton.jit
-def _exp(x, PRECISE: tl.constexpr):
-    # libdevice's exp and log round like CUDA's expf/logf, which eager's softmax uses; tl.exp is
-    # the faster approximate ex2 path. The interpreter has no libdevice (numpy's are exact).
-    if PRECISE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _log(x, PRECISE: tl.constexpr):
-    if PRECISE:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
 
 
 @triton.jit
@@ -299,10 +284,6 @@ def _check_targets_on_cpu(op: str, target: torch.Tensor, ignore_index: int, n_co
         )
 
 
-def _loss_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _linear_cross_entropy_fwd(
     hidden,
     weight,
@@ -355,7 +336,7 @@ def _chunks(
     w = weight.to(dtype)  # (V, H)
     b = None if bias is None else bias.to(dtype)  # (V,)
     target = target.contiguous()
-    losses = torch.empty(n_tokens, device=hidden.device, dtype=_loss_dtype(dtype))
+    losses = torch.empty(n_tokens, device=hidden.device, dtype=compute_dtype(dtype))
     n_valid = (target != ignore_index).sum()  # () int64, on the device: no sync
     write_grad = hidden_grad or weight_grad or bias_grad
     acc_dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -439,7 +420,7 @@ def _linear_cross_entropy_fwd_fake(
         chunk_size,
     )
     return (
-        hidden.new_empty((), dtype=_loss_dtype(hidden.dtype)),
+        hidden.new_empty((), dtype=compute_dtype(hidden.dtype)),
         torch.empty_like(hidden, memory_format=torch.contiguous_format)
         if hidden_grad
         else hidden.new_empty(0),

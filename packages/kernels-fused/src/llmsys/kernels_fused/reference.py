@@ -13,8 +13,9 @@ import torch.nn.functional as F
 INT8_QMAX = 127  # symmetric int8: q in [-127, 127]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Hugging Face upcasts to float32; float64 inputs stay float64 (the tests' exact reference).
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels compute in: float32 (as Hugging Face upcasts), float64 for
+    float64 inputs (the tests' exact reference)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -43,7 +44,7 @@ def rms_norm_reference(
         ``y`` (..., N), or ``(y, s)`` with ``residual``.
     """
     s = x if residual is None else (x + residual).to(x.dtype)
-    s32 = s.to(_compute_dtype(s.dtype))
+    s32 = s.to(compute_dtype(s.dtype))
     variance = s32.pow(2).mean(-1, keepdim=True)
     y = weight * (s32 * torch.rsqrt(variance + eps)).to(s.dtype)
     return y if residual is None else (y, s)
@@ -72,7 +73,7 @@ def rms_norm_backward_reference(
     Returns:
         ``dx`` in ``x.dtype`` and ``dweight`` in ``weight.dtype``.
     """
-    compute = _compute_dtype(x.dtype)
+    compute = compute_dtype(x.dtype)
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).to(compute)  # (M, N)
     g = grad_y.reshape(x2.shape).to(compute)  # (M, N)
     r = rstd.to(compute)[:, None]  # (M, 1)
@@ -186,10 +187,6 @@ def rotate_half_transposed(y: torch.Tensor) -> torch.Tensor:
     return torch.cat((y[..., half:], -y[..., :half]), dim=-1)
 
 
-def _rotary_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def rotary_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -212,7 +209,7 @@ def rotary_reference(
     Returns:
         ``(q_out, k_out)`` in ``q``'s dtype.
     """
-    compute = _rotary_compute_dtype(q.dtype) if upcast else q.dtype
+    compute = compute_dtype(q.dtype) if upcast else q.dtype
     cos, sin = cos.to(compute).unsqueeze(1), sin.to(compute).unsqueeze(1)  # (B|1, 1, S, D)
 
     def embed(x: torch.Tensor) -> torch.Tensor:
@@ -233,7 +230,7 @@ def rotary_backward_reference(
     ``grad_x1 = g1 * cos1 + g2 * sin2`` and ``grad_x2 = g2 * cos2 - g1 * sin1``. (With Llama's
     ``cos``/``sin``, whose halves are equal, this is the rotation by ``-angle``.)
     """
-    compute = _rotary_compute_dtype(grad_q_out.dtype)
+    compute = compute_dtype(grad_q_out.dtype)
     cos, sin = cos.to(compute).unsqueeze(1), sin.to(compute).unsqueeze(1)
 
     def grad(g: torch.Tensor) -> torch.Tensor:

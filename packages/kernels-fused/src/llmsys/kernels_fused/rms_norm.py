@@ -30,6 +30,7 @@ from llmsys.triton_launch import (
     next_power_of_2,
     refuse_double_backward,
     runs_under_interpreter,
+    sm_count,
     wants_grad,
 )
 
@@ -342,7 +343,6 @@ ROW_BLOCK_ELEMENTS = 4096  # short rows: several per program, up to this many el
 # per SM, or 8192 elements a row block, were slower.
 PROGRAMS_PER_SM = 2
 CPU_PROGRAMS = 3  # the interpreter runs programs one after another; 3 covers the partial sums
-_sm_counts: dict[int, int] = {}
 
 
 def launch_config(M: int, N: int, backward: bool = False) -> tuple[int, int, bool, int]:
@@ -362,13 +362,9 @@ def launch_config(M: int, N: int, backward: bool = False) -> tuple[int, int, boo
 
 
 def _max_programs(t: torch.Tensor) -> int:
-    device = t.get_device()
-    if device < 0:
+    if not t.is_cuda:
         return CPU_PROGRAMS
-    sms = _sm_counts.get(device)
-    if sms is None:
-        sms = _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return PROGRAMS_PER_SM * sms
+    return PROGRAMS_PER_SM * sm_count(t.device)
 
 
 def _eps_ok(eps) -> bool:

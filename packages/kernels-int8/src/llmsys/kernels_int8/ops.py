@@ -20,7 +20,14 @@ from contextlib import nullcontext
 
 import torch
 
-from llmsys.triton_launch import cdiv, checks, define_op, launch, runs_under_interpreter
+from llmsys.triton_launch import (
+    cdiv,
+    checks,
+    define_op,
+    launch,
+    runs_under_interpreter,
+    sm_count,
+)
 
 from . import tuning
 from .kernels import (
@@ -151,14 +158,6 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (4 for the interpreter's CPU)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.cache
 def _has_tma(device: torch.device) -> bool:
     if TensorDescriptor is None:
         return False
@@ -208,7 +207,7 @@ def _launch_tma(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) 
     if config.tma_store:
         c_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2])
     tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
-    programs = min(tiles, sm_count(a.device))
+    programs = min(tiles, sm_count(a.device) if a.is_cuda else 4)  # 4 on the interpreter's CPU
     launch(
         perrow_w8a8_matmul_tma_kernel,
         programs,

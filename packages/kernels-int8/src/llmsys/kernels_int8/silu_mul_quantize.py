@@ -17,7 +17,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from llmsys.triton_launch import (
     call_below_autograd,
@@ -26,6 +25,7 @@ from llmsys.triton_launch import (
     launch,
     runs_under_interpreter,
 )
+from llmsys.triton_launch.precise import exp as _exp
 
 from . import tuning
 from .kernels import _abs_nan_as_inf, _quantize, _store_scale
@@ -33,16 +33,6 @@ from .ops import FLOAT_DTYPES, NAMESPACE
 from .reference import silu_mul_quantize_int8_reference
 
 # --- kernel --------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _exp(x, USE_LIBDEVICE: tl.constexpr):
-    # libdevice's exp is the one PyTorch's CUDA kernels call (tl.exp is a faster approximation
-    # on the GPU); the interpreter has no libdevice, and tl.exp there is numpy's.
-    if USE_LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit

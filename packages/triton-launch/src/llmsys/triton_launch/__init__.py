@@ -1,13 +1,21 @@
 """One way to launch Triton kernels and register them as ``torch.ops``, shared by the kernel
 packages: ``launch`` (a compiled kernel without ``JITFunction.run``'s per-call host cost),
 ``define_op`` (the op's registration), ``wants_grad`` and ``call_below_autograd`` (how a package
-calls its ops), and ``checks`` (argument checks whose errors name the argument)."""
+calls its ops), ``checks`` (argument checks whose errors name the argument), ``precise``
+(``exp``/``log`` that round as eager's CUDA kernels) and ``sm_count``."""
 
-from . import checks
-from .launcher import cdiv, kernel_path, launch, next_power_of_2, runs_under_interpreter
+from . import checks, precise
+from .launcher import (
+    cdiv,
+    kernel_path,
+    launch,
+    next_power_of_2,
+    runs_under_interpreter,
+    sm_count,
+)
 from .library import call_below_autograd, define_op, refuse_double_backward, wants_grad
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "__version__",
@@ -18,7 +26,9 @@ __all__ = [
     "kernel_path",
     "launch",
     "next_power_of_2",
+    "precise",
     "refuse_double_backward",
     "runs_under_interpreter",
+    "sm_count",
     "wants_grad",
 ]

@@ -41,6 +41,19 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``, asked once per device: the size of a
+    persistent grid."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
 def runs_under_interpreter(kernel) -> bool:
     """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (it runs CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"
