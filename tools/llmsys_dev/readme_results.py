@@ -19,11 +19,11 @@ MAIN_JOB = "python tools/bench.py"
 DDP_COMMAND = "python packages/ddp/benchmarks/sweep.py (2 GPUs)"
 
 
-# The two llmsys-bench llama training runs behind h200-llama-training.csv (each side by side).
+# The three llmsys-bench llama runs behind h200-llama-training.csv (each side by side).
 LLAMA_TRAINING_COMMAND = (
     "llmsys-bench llama --part training --train-shape 4x2048 --reps 10 --largest-batch 2048; "
-    "llmsys-bench llama --model 3b --part training --train-shape 2x2048 --compile off --reps 5 "
-    "--warmup 2"
+    "llmsys-bench llama --model 3b --part training --train-shape 2x2048 --compile both --reps 5 "
+    "--warmup 2; llmsys-bench llama --part curve"
 )
 
 

@@ -6,8 +6,10 @@
                                                                             # cannot train
 
 The model is the profiling package's ``TransformerLM`` (SDPA attention, SwiGLU) on random tokens,
-context 512, batch 4 per GPU, fused AdamW. Every strategy is built afresh in one process group,
-one after another:
+context 512, batch 4 per GPU, fused AdamW; ``--kernels fused`` swaps its RMSNorm (residual add
+included) and RoPE for ``llmsys.kernels_fused``'s. (The fused loss stays out: it reads
+``lm_head``'s weight outside ``lm_head``'s forward, which FSDP does not gather for.) Every
+strategy is built afresh in one process group, one after another:
 
 - one GPU alone: float32 weights, bf16 autocast, no communication (the floor);
 - DDPBucketed, and ShardedOptimizer (AdamW state sharded) + DDPBucketed: bf16 autocast;
@@ -199,7 +201,9 @@ def rows_for(measured: dict, args, config, world_size, device) -> list[results.R
             results.Row(
                 kernel="transformer_lm/sharded_training",
                 provider=alone if name == "one GPU alone" else name,
-                mode=f"{world_size} ranks" + (", checkpointing" if config.checkpoint else ""),
+                mode=f"{world_size} ranks"
+                + (", checkpointing" if config.checkpoint else "")
+                + (", fused norm+rope" if config.norm == "fused" else ""),
                 x=f"{args.size} ctx{args.context_length} b{args.batch_size}/rank",
                 dtype=STRATEGIES[name].compute,
                 p20=p20,
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpointing", choices=("off", "on", "both"), default="off",
                         help="per-block activation checkpointing")  # fmt: skip
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=None)
+    parser.add_argument("--kernels", choices=("eager", "fused"), default="eager",
+                        help="RMSNorm and RoPE: eager, or llmsys.kernels_fused")  # fmt: skip
     parser.add_argument("--largest", choices=list(LARGEST), default=None,
                         help="train this model with FSDP bf16 + checkpointing instead")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="CSV written by rank 0")
@@ -307,7 +313,12 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for checkpoint in {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]:
             config = ModelConfig.named(
-                args.size, context_length=args.context_length, ffn="eager", checkpoint=checkpoint
+                args.size,
+                context_length=args.context_length,
+                ffn="eager",
+                checkpoint=checkpoint,
+                norm=args.kernels,
+                rope=args.kernels,
             )
 
             def measure_one(name: str, profiled: bool, config=config) -> dict:

@@ -90,6 +90,7 @@ class _Use:
         self.saved = False  # autograd saved it: backward will gather it again
         self.previous: _Use | None = None  # the use before this one in the forward
         self.cohort: list[_Use] = [self]  # the uses gathered with it in forward
+        self.cohort_grads = int(shard.param.requires_grad)  # gradients the cohort will receive
 
 
 class _Gather:
@@ -197,9 +198,13 @@ class FSDP(DataParallel):
         _WRAPPED[module] = (type(self).__name__, None)  # sharded in place: never wrap it again
         self._units = _owners(module, self._shards, replicated_cast=compute_dtype is not None)
         self._group_of = _blocks(module, [owner for owner, _ in self._units])
+        # per unit: its sharded (attribute, parameter) pairs, in the order of its uses
+        self._sharded_of = [
+            [(n, p) for n, p in attributes if p in self._shards] for _, attributes in self._units
+        ]
         self._group_units: dict[int, list[int]] = {}  # group -> its units with sharded weights
-        for unit, (_, attributes) in enumerate(self._units):
-            if any(p in self._shards for _, p in attributes):
+        for unit, sharded in enumerate(self._sharded_of):
+            if sharded:
                 self._group_units.setdefault(self._group_of[unit], []).append(unit)
         self._module_hooks = []
         for unit, (module_, _) in enumerate(self._units):
@@ -245,9 +250,10 @@ class FSDP(DataParallel):
         for shard, piece in self._reduced:
             sums[shard] = piece if shard not in sums else sums[shard].add_(piece)
         self._reduced = []
+        if sums:
+            torch._foreach_div_(list(sums.values()), self.world_size)
         grads = []
         for shard, total in sums.items():
-            total.div_(self.world_size)
             param = shard.param
             if param.grad is None:
                 param.grad = total
@@ -365,24 +371,24 @@ class FSDP(DataParallel):
         module, attributes = self._units[unit]
         if unit in self._active:  # a recomputation stopped early inside it (see _after's callers)
             self._after(unit)
-        sharded = [(n, p) for n, p in attributes if p in self._shards]
+        sharded = self._sharded_of[unit]
         if sharded:
             uses = self._prefetched.pop(unit, None)
             if uses is None:
                 uses = self._start_unit(unit)
             self._note_order(unit)
             self._active[unit] = uses
-        for name, param in attributes:
-            if param in self._shards:
-                use = next(u for u in uses if u.shard.param is param)
+            for (name, param), use in zip(sharded, uses, strict=True):
                 full = self._ready(use)
                 if param.requires_grad:
                     full = _GatheredWeight.apply(param, self, use)
                 use.previous, self._last_use = self._last_use, use
                 self._live[full.untyped_storage().data_ptr()] = use
                 module.__dict__[name] = full
-            else:  # replicated, cast for compute
-                module.__dict__[name] = param.to(self.compute_dtype)
+        if len(sharded) < len(attributes):  # replicated parameters, cast for compute
+            for name, param in attributes:
+                if param not in self._shards:
+                    module.__dict__[name] = param.to(self.compute_dtype)
 
     def _after(self, unit: int) -> None:
         """Drop the unit's full weights: freed now, or when autograd no longer needs them."""
@@ -411,14 +417,12 @@ class FSDP(DataParallel):
                 and (later is None or u in later)
             )
         ]
-        uses_of = {
-            u: [_Use(self._shards[p], u) for _, p in self._units[u][1] if p in self._shards]
-            for u in members
-        }
+        uses_of = {u: [_Use(self._shards[p], u) for _, p in self._sharded_of[u]] for u in members}
         every = [use for uses in uses_of.values() for use in uses]
         self._gather(every)
+        grads = sum(use.cohort_grads for use in every)
         for use in every:
-            use.cohort = every
+            use.cohort, use.cohort_grads = every, grads
         for u in members:
             if u != unit:
                 self._prefetched[u] = uses_of[u]
@@ -501,14 +505,10 @@ class FSDP(DataParallel):
             self._after(use.unit)
         if self._pending and self._pending[0][0].cohort is not use.cohort:
             self._reduce_pending()
-        shard = use.shard
-        flat = torch.zeros(shard.padded, dtype=shard.param.dtype, device=grad_full.device)
-        flat[: shard.numel].copy_(grad_full.reshape(-1))
-        self._pending.append((use, flat))
+        self._pending.append((use, grad_full))
         # Every weight of the block that can receive a gradient has: send now. (One that never
         # receives one leaves the group for the next block's first gradient, or the end, to send.)
-        expected = sum(1 for u in use.cohort if u.shard.param.requires_grad)
-        if len(self._pending) >= expected:
+        if len(self._pending) >= use.cohort_grads:
             self._reduce_pending()
 
     def _reduce_pending(self) -> None:
@@ -516,12 +516,21 @@ class FSDP(DataParallel):
 
         As in ``_Gather``, the send buffer is viewed as (ranks, total): the columns of one
         weight hold its padded flat gradient row by row, so rank r receives its slice of every
-        weight one after another."""
-        shards = [use.shard for use, _ in self._pending]
+        weight one after another. Each gradient is copied (and cast to the parameter's dtype)
+        straight into its columns: one copy per weight."""
+        pending, self._pending = self._pending, []
+        shards = [use.shard for use, _ in pending]
         sizes = [shard.size for shard in shards]
-        rows = [flat.view(self.world_size, -1) for _, flat in self._pending]
-        send = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-        self._pending = []
+        first = shards[0].param
+        send = torch.empty(self.world_size, sum(sizes), dtype=first.dtype, device=first.device)
+        grads = [grad for _, grad in pending]
+        for columns, shard, grad in zip(send.split(sizes, dim=1), shards, grads, strict=True):
+            if shard.numel == shard.padded:
+                columns.copy_(grad.reshape(self.world_size, shard.size))
+            else:  # the last rank's slice ends in zeros
+                flat = grad.new_zeros(shard.padded)
+                flat[: shard.numel].copy_(grad.reshape(-1))
+                columns.copy_(flat.view(self.world_size, shard.size))
         received = send.new_empty(sum(sizes))
         if self.world_size == 1:
             received.copy_(send.view(-1))

@@ -491,11 +491,14 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     """``linear_cross_entropy_fwd``, whose outputs include the gradients; the backward scales
     them by the incoming gradient."""
 
+    # forward takes ctx itself: with a separate setup_context, Function.apply binds every
+    # call's arguments through inspect.signature (DECISIONS.md: host cost).
     @staticmethod
-    def forward(*args):
-        return call_below_autograd(linear_cross_entropy_fwd, *args)
+    def forward(ctx, *args):
+        output = call_below_autograd(linear_cross_entropy_fwd, *args)
+        _setup_context(ctx, args, output)
+        return output
 
-    setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward_in_place)
 
 

@@ -601,11 +601,14 @@ def _backward(ctx, grad_y, grad_s, _grad_rstd):
 class _RMSNormFunction(torch.autograd.Function):
     """``rms_norm_fwd`` forward; dx (and d residual) and dweight from one ``rms_norm_bwd``."""
 
+    # forward takes ctx itself: with a separate setup_context, Function.apply binds every
+    # call's arguments through inspect.signature (DECISIONS.md: host cost).
     @staticmethod
-    def forward(x, weight, eps, residual):
-        return call_below_autograd(rms_norm_fwd, x, weight, eps, residual)
+    def forward(ctx, x, weight, eps, residual):
+        output = call_below_autograd(rms_norm_fwd, x, weight, eps, residual)
+        _setup_context(ctx, (x, weight, eps, residual), output)
+        return output
 
-    setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
 
 

@@ -417,11 +417,14 @@ def _backward(ctx, grad_q_out, grad_k_out):
 class _RotaryFunction(torch.autograd.Function):
     """``rotary_fwd`` forward; both gradients from one ``rotary_bwd`` launch."""
 
+    # forward takes ctx itself: with a separate setup_context, Function.apply binds every
+    # call's arguments through inspect.signature (DECISIONS.md: host cost).
     @staticmethod
-    def forward(q, k, cos, sin):
-        return call_below_autograd(rotary_fwd, q, k, cos, sin)
+    def forward(ctx, q, k, cos, sin):
+        output = call_below_autograd(rotary_fwd, q, k, cos, sin)
+        _setup_context(ctx, (q, k, cos, sin), output)
+        return output
 
-    setup_context = staticmethod(_setup_context)
     backward = staticmethod(_backward)
 
 
