@@ -191,10 +191,18 @@ TABLES = {
     "profiling-llama-inference": Table(
         "profiling",
         "h100-llama.csv",
-        ("fp16", "int8"),
+        ("fp16", "int8", "int8-fused"),
         (("kernel", ("llama/prefill", "llama/decode")),),
-        ours="int8",
-        command="llmsys-bench llama --reps 10",
+        ours="int8-fused",
+        command="llmsys-bench llama --part inference --reps 10",
+    ),
+    "profiling-llama-8b-inference": Table(
+        "profiling",
+        "h100-llama-8b.csv",
+        ("fp16", "int8", "int8-fused"),
+        (("kernel", ("llama/prefill", "llama/decode")),),
+        ours="int8-fused",
+        command="llmsys-bench llama --model 8b --part inference --reps 10",
     ),
     "profiling-llama-training": Table(
         "profiling",

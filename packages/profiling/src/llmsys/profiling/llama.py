@@ -1,20 +1,23 @@
 """Our kernels inside a Hugging Face Llama: random weights from a config.
 
 The model (``--model``): 0.85b, hidden 2048, intermediate 5632, 16 layers, 16 heads, 4 KV heads,
-vocab 32000, untied embeddings; or 3b, Llama-3.2-3B's shape (hidden 3072, 28 layers, 24 heads,
-8 KV heads, vocab 128256, tied). Every case runs in this one process, the
+vocab 32000, untied embeddings; 3b, Llama-3.2-3B's shape (hidden 3072, 28 layers, 24 heads,
+8 KV heads, vocab 128256, tied); or 8b, Llama-3.1-8B's shape (hidden 4096, intermediate 14336,
+32 layers, 32 heads, 8 KV heads, vocab 128256, untied). Every case runs in this one process, the
 providers of a case side by side; times are medians of per-call CUDA-event times after warm-up.
 
 inference  float16, SDPA attention. ``fp16`` is the model as built; ``int8`` is a copy with
            every linear swapped by ``llmsys.kernels_int8.quantize_linears`` (W8A8: weights per
-           output channel, activations per token). Prefill: 8 x 512 tokens, no cache, last
-           token's logits. Decode: one token for each of 8 sequences over a static KV cache
-           holding 512 tokens. Each eagerly and as one CUDA graph of the whole forward
-           (``cuda-graph``: captured after warm-up, replayed). Logits error on the prefill
-           batch: each model's against the float16 model and against the float32 model (the same
-           weights in float32), beside a float32 reference of the same W8A8 scheme (the int8
-           model's quantized weights; activations quantized in float32, the integer product in
-           float64).
+           output channel, activations per token); ``int8-fused`` a copy rewritten by
+           ``llmsys.kernels_int8.quantize_model`` (the same scheme: q|k|v and gate|up as one
+           GEMM each, the quantization fused into RMSNorm and SiLU-and-mul). Prefill: 8 x 512
+           tokens, no cache, last token's logits. Decode: one token for each of 8 sequences over
+           a static KV cache holding 512 tokens. Each eagerly and as one CUDA graph of the whole
+           forward (``cuda-graph``: captured after warm-up, replayed). Logits error on the
+           prefill batch: each model's against the float16 model and against the float32 model
+           (the same weights in float32), beside a float32 reference of the same W8A8 scheme
+           (the int8 model's quantized weights; activations quantized in float32, the integer
+           product in float64).
 training   bf16 autocast over float32 weights, fused AdamW, a full step (forward with
            ``labels=``, so each provider computes its own loss; backward; optimizer). ``stock`` is
            the model as transformers builds it (SDPA attention); ``llmsys`` the same weights
@@ -71,7 +74,17 @@ LLAMA_3B = LLAMA | dict(
     vocab_size=128256,
     tie_word_embeddings=True,
 )
-MODELS = {"0.85b": LLAMA, "3b": LLAMA_3B}
+# Llama-3.1-8B's shape, the published serving anchors' model (RoPE theta left at the config's
+# default: it changes no timing).
+LLAMA_8B = LLAMA | dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
+MODELS = {"0.85b": LLAMA, "3b": LLAMA_3B, "8b": LLAMA_8B}
 TINY = LLAMA | dict(
     hidden_size=64,
     intermediate_size=128,
@@ -127,8 +140,8 @@ def add_arguments(parser) -> None:
         "--model",
         choices=MODELS,
         default="0.85b",
-        help="the Llama config: 0.85b (hidden 2048, 16 layers, vocab 32000) or 3b "
-        "(Llama-3.2-3B's shape, vocab 128256); default 0.85b",
+        help="the Llama config: 0.85b (hidden 2048, 16 layers, vocab 32000), 3b "
+        "(Llama-3.2-3B's shape, vocab 128256) or 8b (Llama-3.1-8B's shape); default 0.85b",
     )
     parser.add_argument(
         "--providers",
@@ -258,13 +271,16 @@ def _with_speedups(rows: list[results.Row], baseline: str) -> list[results.Row]:
 
 
 def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
-    """fp16 vs int8 (quantize_linears): prefill and decode, eager and CUDA graph; logits error."""
-    from llmsys.kernels_int8 import quantize_linears
+    """fp16 vs int8 (quantize_linears) and int8-fused (quantize_model): prefill and decode,
+    eager and CUDA graph; logits error."""
+    from llmsys.kernels_int8 import quantize_linears, quantize_model
 
     transformers = _transformers()
     device, on_cuda = args.device, torch.device(args.device).type == "cuda"
     fp16 = build_llama(sizes, device, torch.float16).eval()
-    models = {"fp16": fp16, "int8": quantize_linears(copy.deepcopy(fp16))}
+    fused = copy.deepcopy(fp16)
+    quantize_model(fused)
+    models = {"fp16": fp16, "int8": quantize_linears(copy.deepcopy(fp16)), "int8-fused": fused}
     params = sum(p.numel() for p in fp16.parameters())
     batch, tokens = shapes["prefill"]
     seqs, cached = shapes["decode"]
@@ -316,6 +332,7 @@ def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
         logits = {
             "fp16": fp16(prompt, use_cache=False).logits,
             "int8": models["int8"](prompt, use_cache=False).logits,
+            "int8-fused": models["int8-fused"](prompt, use_cache=False).logits,
             "w8a8-reference-fp32": reference(prompt, use_cache=False).logits,
         }
         del fp32, reference
@@ -547,11 +564,18 @@ def plot(rows: list[results.Row], path: Path) -> Path:
     """Speed-ups over the baseline provider, one bar per case: inference, then training."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
 
-    panels = [("int8 over fp16 (inference)", "int8"), ("llmsys over stock (training)", "llmsys")]
-    fig = Figure(figsize=(11, 4), layout="constrained")
-    for ax, (title, provider) in zip(fig.subplots(1, 2), panels, strict=True):
-        shown = [r for r in rows if r.provider == provider and r.speedup_vs_baseline]
-        labels = [f"{r.kernel.split('/')[1]}\n{r.x}\n{r.mode}" for r in shown]
+    panels = [
+        ("int8 and int8-fused over fp16 (inference)", ("int8", "int8-fused")),
+        ("llmsys over stock (training)", ("llmsys",)),
+    ]
+    fig = Figure(figsize=(13, 4), layout="constrained")
+    for ax, (title, providers) in zip(fig.subplots(1, 2), panels, strict=True):
+        shown = [r for r in rows if r.provider in providers and r.speedup_vs_baseline]
+        labels = [
+            f"{r.kernel.split('/')[1]}\n{r.x}\n{r.mode}"
+            + (f"\n{r.provider}" if len(providers) > 1 else "")
+            for r in shown
+        ]
         speedups = [r.speedup_vs_baseline for r in shown]
         ax.bar(range(len(shown)), speedups, color=["C2" if s >= 1 else "C3" for s in speedups])
         ax.axhline(1.0, color="black", linewidth=0.8)
