@@ -17,6 +17,12 @@ from pathlib import Path
 
 MAIN_JOB = "python tools/bench.py"
 DDP_COMMAND = "python packages/ddp/benchmarks/sweep.py (2 GPUs)"
+# The two runs behind h200-2gpu-fsdp.csv (batch 4 and batch 12 per GPU), one after the other.
+FSDP_COMMAND = (
+    "torchrun --nproc-per-node 2 packages/ddp/benchmarks/fsdp.py --kernels fused --checkpointing "
+    "both --strategies 'one GPU alone' 'FSDP bf16' 'torch FSDP2 bf16' FSDP 'torch FSDP2'; the "
+    "same with --batch-size 12 --checkpointing off and the first three strategies"
+)
 
 
 # The three llmsys-bench llama runs behind h200-llama-training.csv (each side by side).
@@ -245,19 +251,11 @@ TABLES = {
     ),
     "ddp-fsdp": Table(
         "ddp",
-        "h100.csv",
-        (
-            "torch FSDP2 bf16",
-            "FSDP bf16",
-            "torch FSDP2",
-            "FSDP",
-            "one GPU alone",
-            "DDPBucketed",
-            "ShardedOptimizer + DDPBucketed",
-        ),
+        "h200-2gpu-fsdp.csv",
+        ("torch FSDP2 bf16", "FSDP bf16", "torch FSDP2", "FSDP", "one GPU alone"),
         (("kernel", ("transformer_lm/sharded_training",)),),
         ours="FSDP bf16",
-        command=DDP_COMMAND,
+        command=FSDP_COMMAND,
     ),
     "ddp-largest": Table(
         "ddp",
@@ -335,9 +333,12 @@ ROOT_PICKS = {  # package: (GPU label, picks)
         Pick("bucketed 100 MB bf16 / torch DDP:", "ddp", "h100.csv",
              ("transformer_lm/data_parallel", "bucketed 100 MB bf16", "", "", ""),
              ("transformer_lm/data_parallel", "torch DDP", "", "", "")),
-        Pick("FSDP bf16 / torch FSDP2 bf16:", "ddp", "h100.csv",
-             ("transformer_lm/sharded_training", "FSDP bf16", "2 ranks", "", ""),
-             ("transformer_lm/sharded_training", "torch FSDP2 bf16", "2 ranks", "", "")),
+        Pick("FSDP bf16 / torch FSDP2 bf16 (2 x H200, batch 4 per GPU):", "ddp",
+             "h200-2gpu-fsdp.csv",
+             ("transformer_lm/sharded_training", "FSDP bf16", "2 ranks, fused norm+rope",
+              "xl ctx512 b4/rank", ""),
+             ("transformer_lm/sharded_training", "torch FSDP2 bf16", "2 ranks, fused norm+rope",
+              "xl ctx512 b4/rank", "")),
     ],
     "sharded-optim": [
         Pick("AdamW state, GiB: unsharded", "sharded-optim", "h100.csv",
