@@ -25,11 +25,11 @@ FSDP_COMMAND = (
 )
 
 
-# The three llmsys-bench llama runs behind h200-llama-training.csv (each side by side).
+# The two llmsys-bench llama runs behind h200-llama-training.csv (each side by side).
 LLAMA_TRAINING_COMMAND = (
-    "llmsys-bench llama --part training --train-shape 4x2048 --reps 10 --largest-batch 2048; "
-    "llmsys-bench llama --model 3b --part training --train-shape 2x2048 --compile both --reps 5 "
-    "--warmup 2; llmsys-bench llama --part curve"
+    "llmsys-bench llama --part training curve --train-shape 4x2048 --compile both --reps 10 "
+    "--largest-batch 2048; llmsys-bench llama --model 3b --part training --train-shape 2x2048 "
+    "--compile both --reps 5 --warmup 2"
 )
 
 

@@ -116,6 +116,46 @@ def test_autocast_keeps_the_residual_stream_in_float32():
     torch.testing.assert_close(got.logits.float(), expected.logits.float(), atol=0.05, rtol=0.05)
 
 
+def _saved_16bit_activations(model, tokens, labels) -> int:
+    """Distinct bfloat16 (tokens, hidden) tensors autograd saves in one autocast forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = set()
+
+    def pack(tensor):
+        key = tensor.untyped_storage().data_ptr()
+        activation = tensor.numel() == tokens.numel() * TINY["hidden_size"] and key not in params
+        if (
+            tensor.dtype == torch.bfloat16
+            and tensor.shape[-1] == TINY["hidden_size"]
+            and activation
+        ):
+            seen.add(key)
+        return tensor
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
+        loss = model(tokens, labels=labels, use_cache=False).loss
+    loss.backward()
+    return len(seen)
+
+
+def test_autocast_casts_each_norm_output_once_for_the_linears_after_it():
+    """Stock autocast casts a norm's float32 output for q, k and v separately (and for gate and
+    up), each linear saving its own copy; ours casts it once, so per layer three saved copies
+    (q/k/v, o, gate/up) instead of six, with the loss and gradients still stock's."""
+    stock = build("llama")
+    ours = copy.deepcopy(stock)
+    apply_llmsys(ours)
+    tokens, labels = batch()
+    layers = TINY["num_hidden_layers"]
+    assert _saved_16bit_activations(stock, tokens, labels) == 6 * layers + 1  # + lm_head's input
+    assert _saved_16bit_activations(ours, tokens, labels) == 3 * layers + 1  # + the loss's input
+    for (name, want), got in zip(stock.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, atol=2e-2, rtol=2e-2, msg=name)
+
+
 def test_return_dict_false_gives_a_tuple_as_transformers_does():
     stock = build("llama")
     ours = copy.deepcopy(stock)

@@ -37,11 +37,24 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.
     the MLP stays a plain add: the next layer receives one tensor, as transformers' model loop
     hands it over."""
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states = _cast_once(self.input_layernorm(hidden_states))
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
     # The stream first: the sum takes its dtype (float32 under autocast, as stock's add).
     hidden_states, residual = self.post_attention_layernorm(residual, residual=hidden_states)
-    return residual + self.mlp(hidden_states)
+    return residual + self.mlp(_cast_once(hidden_states))
+
+
+def _cast_once(normed: torch.Tensor) -> torch.Tensor:
+    """A norm's float32 output in autocast's dtype, where autocast is on for its device.
+
+    Autocast would cast it for each linear that reads it, and each of those saves its own copy
+    for backward: q, k and v three, gate and up two, N x hidden 16-bit values each. Cast once,
+    they share one (the values are the same: autocast's cast of the same tensor). Backward then
+    sums their three input gradients in that dtype, where stock sums them in float32."""
+    device = normed.device.type
+    if normed.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return normed.to(torch.get_autocast_dtype(device))
+    return normed
 
 
 def _interface(module: nn.Module):
