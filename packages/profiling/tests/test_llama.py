@@ -1,6 +1,6 @@
 """`llmsys-bench llama --quick` on the CPU: a tiny Hugging Face Llama through every case that runs
-without CUDA (int8 inference against fp16, its logits error, training with our attention and
-SwiGLU against stock), its CSV and its plot."""
+without CUDA (int8 and int8-fused inference against fp16, their logits error, training with our
+kernels against stock), its CSV and its plot."""
 
 import inspect
 import math
@@ -24,8 +24,10 @@ def test_quick_run_writes_every_case_its_errors_and_a_plot(tmp_path, capsys, rec
     assert set(timed) == {
         ("llama/prefill", "fp16", "eager", "2x16"),
         ("llama/prefill", "int8", "eager", "2x16"),
+        ("llama/prefill", "int8-fused", "eager", "2x16"),
         ("llama/decode", "fp16", "eager", "2 seqs, cache 16"),
         ("llama/decode", "int8", "eager", "2 seqs, cache 16"),
+        ("llama/decode", "int8-fused", "eager", "2 seqs, cache 16"),
         ("llama/train-step", "stock", "eager", "2x32"),
         ("llama/train-step", "llmsys", "eager", "2x32"),
     }
@@ -35,11 +37,13 @@ def test_quick_run_writes_every_case_its_errors_and_a_plot(tmp_path, capsys, rec
         baseline = timed[(row.kernel, base, row.mode, row.x)]
         assert row.speedup_vs_baseline == pytest.approx(baseline.p50 / row.p50)
     errors = {r.provider: r for r in rows if r.kernel == "llama/logits-error"}
-    assert set(errors) == {"fp16", "int8", "w8a8-reference-fp32"}
+    assert set(errors) == {"fp16", "int8", "int8-fused", "w8a8-reference-fp32"}
     assert errors["fp16"].throughput == 0  # against itself
     # W8A8 error against fp16 is the scheme's: the kernels' model and the float32 reference agree
     int8, reference = errors["int8"].throughput, errors["w8a8-reference-fp32"].throughput
     assert 0 < int8 < 0.1 and 0 < reference < 0.1 and math.isclose(int8, reference, rel_tol=0.5)
+    # quantize_model computes quantize_linears' scheme with fewer passes: the same logits error
+    assert math.isclose(errors["int8-fused"].throughput, int8, rel_tol=0.05)
     assert (tmp_path / "llama.png").stat().st_size > 0
     assert "| llama/train-step |" in capsys.readouterr().out
     # the KV cache goes by the keyword this transformers takes, not a deprecated one
