@@ -226,6 +226,7 @@ def train_largest(args, device, rank: int, world_size: int) -> list[results.Row]
     config = ModelConfig(
         d_model=d_model, d_ff=d_ff, num_layers=layers, num_heads=heads,
         context_length=args.context_length, vocab_size=10000, checkpoint=True,
+        norm=args.kernels, rope=args.kernels,
     )  # fmt: skip
     shape = memory_model.from_config(config)
     replicated = memory_model.training_memory(shape, memory_model.FP32_ADAMW).state / 2**30

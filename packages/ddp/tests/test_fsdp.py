@@ -453,6 +453,45 @@ def test_without_a_process_group_is_plain_training_bit_for_bit():
     assert_matches(expected, model.gather_full_params(), "world size 1", atol=0.0)
 
 
+class MixedBlock(nn.Module):
+    """One block holding a bfloat16 and a float32 weight, used in either order (backward
+    delivers the gradient of the one used last first)."""
+
+    def __init__(self, low_first: bool):
+        super().__init__()
+        self.low_first = low_first
+        self.low = nn.Parameter(torch.randn(6, 6, dtype=torch.bfloat16))
+        self.high = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        if self.low_first:
+            return (x.to(torch.bfloat16) @ self.low).float() @ self.high
+        return (x @ self.high).to(torch.bfloat16) @ self.low
+
+
+@pytest.mark.parametrize("low_first", [True, False])
+@pytest.mark.parametrize("grads_before", ["none", "zeros"])
+def test_a_block_of_two_dtypes_gets_each_gradient_in_its_parameters_dtype(grads_before, low_first):
+    """The block's gradients go out in one collective per dtype: the float32 gradient is not
+    rounded to bfloat16 (nor the other way round), whether .grad is set or added to."""
+    torch.manual_seed(0)
+    expected = MixedBlock(low_first)
+    model = FSDP(nn.ModuleList([MixedBlock(low_first)]))
+    model.load_state_dict({f"0.{k}": v for k, v in expected.state_dict().items()})
+    if grads_before == "zeros":
+        for module in (expected, model):
+            for param in module.parameters():
+                param.grad = torch.zeros_like(param)
+    x = torch.randn(5, 6)
+    expected(x).sum().backward()
+    model.module[0](x).sum().backward()
+    model.finish_gradient_synchronization()
+    for name, want in expected.named_parameters():
+        got = getattr(model.module[0], name)
+        assert got.grad.dtype == want.dtype, name
+        torch.testing.assert_close(got.grad, want.grad.reshape(-1), atol=0, rtol=0, msg=name)
+
+
 class Dyadic(nn.Module):
     """Linear layers and ReLU on values with few significant bits: every sum is exact."""
 

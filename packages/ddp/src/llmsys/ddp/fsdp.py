@@ -512,14 +512,24 @@ class FSDP(DataParallel):
             self._reduce_pending()
 
     def _reduce_pending(self) -> None:
-        """Reduce-scatter the queued full gradients in one collective.
+        """Reduce-scatter the queued full gradients: one collective per parameter dtype among
+        them (one in all for a block of one dtype), so each slice comes back in its
+        parameter's dtype."""
+        pending, self._pending = self._pending, []
+        by_dtype: dict[torch.dtype, list[tuple[_Shard, torch.Tensor]]] = {}
+        for use, grad in pending:
+            by_dtype.setdefault(use.shard.param.dtype, []).append((use.shard, grad))
+        for same in by_dtype.values():
+            self._reduce_scatter(same)
+
+    def _reduce_scatter(self, pending: list[tuple[_Shard, torch.Tensor]]) -> None:
+        """Reduce-scatter full gradients of parameters of one dtype in one collective.
 
         As in ``_Gather``, the send buffer is viewed as (ranks, total): the columns of one
         weight hold its padded flat gradient row by row, so rank r receives its slice of every
         weight one after another. Each gradient is copied (and cast to the parameter's dtype)
         straight into its columns: one copy per weight."""
-        pending, self._pending = self._pending, []
-        shards = [use.shard for use, _ in pending]
+        shards = [shard for shard, _ in pending]
         sizes = [shard.size for shard in shards]
         first = shards[0].param
         send = torch.empty(self.world_size, sum(sizes), dtype=first.dtype, device=first.device)
