@@ -533,8 +533,7 @@ class FSDP(DataParallel):
         sizes = [shard.size for shard in shards]
         first = shards[0].param
         send = torch.empty(self.world_size, sum(sizes), dtype=first.dtype, device=first.device)
-        grads = [grad for _, grad in pending]
-        for columns, shard, grad in zip(send.split(sizes, dim=1), shards, grads, strict=True):
+        for columns, (shard, grad) in zip(send.split(sizes, dim=1), pending, strict=True):
             if shard.numel == shard.padded:
                 columns.copy_(grad.reshape(self.world_size, shard.size))
             else:  # the last rank's slice ends in zeros
