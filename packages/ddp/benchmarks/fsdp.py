@@ -15,7 +15,9 @@ strategy is built afresh in one process group, one after another:
 - DDPBucketed, and ShardedOptimizer (AdamW state sharded) + DDPBucketed: bf16 autocast;
 - FSDP (float32), FSDP bf16 (weights cast to bf16 before the all-gather);
 - torch FSDP2 (``fully_shard`` per block and the root), float32 or bf16
-  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+  (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``);
+- both bf16 FSDPs with two blocks per all-gather and reduce-scatter (``blocks_per_gather=2``;
+  ``fully_shard`` on each pair of blocks).
 
 Strategies take turns in ``--rounds`` rounds (see ``strategies.py``). Both FSDPs reduce
 gradients in float32, so "bf16" compares equal settings. Each row carries the
@@ -59,7 +61,7 @@ LARGEST = {  # name: (d_model, d_ff, layers, heads) of models too large to train
 }
 
 
-def fsdp2(model, bf16: bool):
+def fsdp2(model, bf16: bool, blocks_per_gather: int = 1):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -70,9 +72,10 @@ def fsdp2(model, bf16: bool):
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32
     )
-    for module in model.modules():
-        if isinstance(module, TransformerBlock):
-            fully_shard(module, mesh=mesh, mp_policy=policy)
+    blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    for first in range(0, len(blocks), blocks_per_gather):
+        group = blocks[first : first + blocks_per_gather]
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
@@ -104,6 +107,14 @@ STRATEGIES = {
     ),
     "torch FSDP2": Strategy(functools.partial(fsdp2, bf16=False), False, "fsdp", "fp32"),
     "torch FSDP2 bf16": Strategy(functools.partial(fsdp2, bf16=True), False, "fsdp", "bf16"),
+    # Two blocks per all-gather and reduce-scatter: half the collectives for the host to issue.
+    "FSDP bf16, 2 blocks per gather": Strategy(
+        functools.partial(FSDP, compute_dtype=torch.bfloat16, blocks_per_gather=2),
+        False, "fsdp", "bf16",
+    ),
+    "torch FSDP2 bf16, 2 blocks per gather": Strategy(
+        functools.partial(fsdp2, bf16=True, blocks_per_gather=2), False, "fsdp", "bf16"
+    ),
 }  # fmt: skip
 
 
@@ -182,7 +193,11 @@ def rows_for(measured: dict, args, config, world_size, device) -> list[results.R
     peak, _ = accounting.peak_flops(results.device_name(device), "bf16")
     alone = measured.get("one GPU alone")
     alone_ms = statistics.median(alone["times_ms"]) if alone else None
-    anchors = {"FSDP": "torch FSDP2", "FSDP bf16": "torch FSDP2 bf16"}
+    anchors = {
+        "FSDP": "torch FSDP2",
+        "FSDP bf16": "torch FSDP2 bf16",
+        "FSDP bf16, 2 blocks per gather": "torch FSDP2 bf16, 2 blocks per gather",
+    }
     alone = "one GPU alone" if device.type == "cuda" else "one process alone"
     rows = []
     for name, m in measured.items():

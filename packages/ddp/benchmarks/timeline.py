@@ -179,11 +179,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fsdp", nargs="*", choices=list(_fsdp.STRATEGIES),
                         default=["FSDP bf16", "torch FSDP2 bf16"],
                         help="strategies of fsdp.py")  # fmt: skip
+    parser.add_argument("--kernels", choices=("eager", "fused"), default="eager",
+                        help="RMSNorm and RoPE: eager, or llmsys.kernels_fused")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="folder rank 0 writes into")
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()
     device = local_device()
-    config = ModelConfig.named(args.size, context_length=args.context_length, ffn="eager")
+    config = ModelConfig.named(
+        args.size,
+        context_length=args.context_length,
+        ffn="eager",
+        norm=args.kernels,
+        rope=args.kernels,
+    )
     found = {}
     for kind, names in (("ddp", args.ddp), ("fsdp", args.fsdp)):
         for name in names:
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         summary = {
             "gpu": harness.device_name(device), "torch": torch.__version__,
             "case": f"{args.size} ctx{args.context_length} b{args.batch_size}/rank",
+            "kernels": args.kernels,
             "world_size": world_size, "timestamp": harness.timestamp(), "strategies": found,
         }  # fmt: skip
         path = args.out / f"timeline-b{args.batch_size}.json"

@@ -197,11 +197,18 @@ def master_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_fsdp(
-    kind, rank, world_size, compute_dtype=None, steps=STEPS, optimizer="adamw", device="cpu"
+    kind,
+    rank,
+    world_size,
+    compute_dtype=None,
+    steps=STEPS,
+    optimizer="adamw",
+    device="cpu",
+    blocks_per_gather=1,
 ):
     torch.manual_seed(rank)  # each rank initializes differently: rank 0's weights must win
     make, _, loss_fn = MODELS[kind]
-    model = FSDP(make().to(device), compute_dtype)
+    model = FSDP(make().to(device), compute_dtype, blocks_per_gather=blocks_per_gather)
     optimizer = OPTIMIZERS[optimizer](model.parameters())
     mine = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
     for inputs, targets in batches(kind, steps):
@@ -268,6 +275,7 @@ def two_ranks():
     checks = {kind: (check_training, {"kind": kind}) for kind in MODELS}
     checks["float32"] = (check_float32_bit_for_bit, {})
     checks["compute dtypes"] = (check_compute_dtypes, {})
+    checks["two blocks per gather"] = (check_two_blocks_per_gather, {})
     return run_in_turn(checks, world_size=2, timeout=400)
 
 
@@ -343,6 +351,51 @@ def test_a_block_is_reduce_scattered_in_one_collective(monkeypatch):
     token_loss(model(tokens), targets).backward()
     model.finish_gradient_synchronization()
     assert sizes == [1, 3, 3, 3, 1], sizes
+    token_loss(plain(tokens), targets).backward()
+    for (name, p), q in zip(model.module.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.view(-1)[: q.numel()], q.grad.view(-1), msg=name)
+
+
+def check_two_blocks_per_gather(rank, world_size):
+    torch.set_default_dtype(torch.float64)
+    expected = train_single_process("blocks")
+    model, _ = train_fsdp("blocks", rank, world_size, blocks_per_gather=2)
+    assert_matches(expected, model.gather_full_params(), "2 blocks per gather", atol=1e-12)
+
+
+def test_two_blocks_per_gather_train_as_one_process(two_ranks):
+    two_ranks.check("two blocks per gather")
+
+
+def test_two_blocks_per_gather_share_their_collectives(monkeypatch):
+    """blocks_per_gather=2 over BlocksLM's 3 blocks: blocks 0 and 1 (one plain, one
+    checkpointed) are gathered and reduce-scattered together, block 2 alone; the gradients are
+    plain training's."""
+    from llmsys.ddp import fsdp
+
+    reduced = []
+    reduce = fsdp.FSDP._reduce_pending
+
+    def counting(self):
+        reduced.append(len(self._pending))
+        reduce(self)
+
+    monkeypatch.setattr(fsdp.FSDP, "_reduce_pending", counting)
+    gathered = count_gathers(monkeypatch)
+    torch.manual_seed(0)
+    model = FSDP(BlocksLM(), blocks_per_gather=2)
+    torch.manual_seed(0)
+    plain = BlocksLM()
+    tokens, targets = token_batch(torch.Generator().manual_seed(0))
+    for step in range(2):  # the second step prefetches, in the order the first recorded
+        gathered.clear()
+        reduced.clear()
+        model.zero_grad()
+        token_loss(model(tokens), targets).backward()
+        model.finish_gradient_synchronization()
+        assert reduced == [1, 3, 6, 1], (step, reduced)
+        assert gathered[:3] == [1, 6, 3], (step, gathered)  # the forward's
+    plain.zero_grad()
     token_loss(plain(tokens), targets).backward()
     for (name, p), q in zip(model.module.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad.view(-1)[: q.numel()], q.grad.view(-1), msg=name)
@@ -606,6 +659,10 @@ def test_bad_arguments_are_named():
         FSDP(nn.Linear(2, 2), compute_dtype=torch.int8)
     with pytest.raises(TypeError, match="module"):
         FSDP(torch.zeros(2))
+    with pytest.raises(ValueError, match="blocks_per_gather must be >= 1, got 0"):
+        FSDP(nn.Linear(2, 2), blocks_per_gather=0)
+    with pytest.raises(TypeError, match="blocks_per_gather must be an int, got bool"):
+        FSDP(nn.Linear(2, 2), blocks_per_gather=True)
     layer = nn.Linear(3, 2)
     model = FSDP(layer)
     with pytest.raises(ValueError, match="already wrapped"):
@@ -641,6 +698,12 @@ def check_on_gpus(rank, world_size):
             kind, rank, world_size, torch.bfloat16, optimizer="sgd", device="cuda"
         )
         assert_matches(expected, model.gather_full_params(), f"{kind} bf16 on cuda", atol=1e-3)
+    expected = train_single_process("blocks", torch.bfloat16, optimizer="sgd", device="cuda")
+    model, _ = train_fsdp(
+        "blocks", rank, world_size, torch.bfloat16, optimizer="sgd", device="cuda",
+        blocks_per_gather=2,
+    )  # fmt: skip
+    assert_matches(expected, model.gather_full_params(), "2 blocks per gather on cuda", atol=1e-3)
 
 
 @pytest.mark.gpu

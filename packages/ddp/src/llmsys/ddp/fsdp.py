@@ -12,22 +12,22 @@ zeros to a multiple of N and cut in N equal pieces. The module that owns it (the
 registered in) gathers it around its ``forward``:
 
     forward pre-hook    all-gather the slices (or take the one prefetched); the module's
-                        attribute now reads the full weight; issue the next layer's all-gather
+                        attribute now reads the full weight; issue the next block's all-gather
     forward             the layer runs; autograd saves a token, not the full weight
     forward hook        drop the full weight
-    backward            the token's first use gathers the weight again (prefetching the layer
+    backward            the token's first use gathers the weight again (prefetching the block
                         before it); after the weight's own gradient arrives, the full copy goes
                         and the gradient is reduce-scattered, asynchronously, into this rank's
                         slice (summed; divided by N once at the end)
 
 so a rank holds its slices plus the few full layers in flight. The weights of one block (an item
-of the innermost ``nn.ModuleList`` around them, such as a Transformer's layer) travel together:
-the first of its modules to need them gathers them all in one all-gather, forward and backward
-alike, and their gradients are reduce-scattered in one collective once the last has arrived,
-because each collective costs the host a fixed time (about 0.2 ms on an H100 host) that a
-step of a hundred layers would otherwise pay per weight matrix. ``finish_gradient_synchronization``
-waits for the reduce-scatters, hands each slice its gradient and averages the replicated
-parameters' gradients.
+of the innermost ``nn.ModuleList`` around them, such as a Transformer's layer, or
+``blocks_per_gather`` consecutive items) travel together: the first of its modules to need them
+gathers them all in one all-gather, forward and backward alike, and their gradients are
+reduce-scattered in one collective once the last has arrived, because each collective costs the
+host a fixed time (about 0.2 ms on an H100 host) that a step of a hundred layers would otherwise
+pay per weight matrix. ``finish_gradient_synchronization`` waits for the reduce-scatters, hands
+each slice its gradient and averages the replicated parameters' gradients.
 
 A sharded weight must be read inside its owner's ``forward`` only (as every layer reads its own
 weights); read from another module's ``forward`` it is the 1-D slice.
@@ -88,7 +88,7 @@ class _Use:
         self.full: torch.Tensor | None = None  # (shape) in the compute dtype, when gathered
         self.gather: _Gather | None = None  # the all-gather still running for it, if any
         self.saved = False  # autograd saved it: backward will gather it again
-        self.previous: _Use | None = None  # the use before this one in the forward
+        self.previous: _Use | None = None  # the last use of the block before, in the forward
         self.cohort: list[_Use] = [self]  # the uses gathered with it in forward
         self.cohort_grads = int(shard.param.requires_grad)  # gradients the cohort will receive
 
@@ -168,6 +168,10 @@ class FSDP(DataParallel):
             weights, the gradients the optimizer sees and its state stay in the parameters'
             dtype. Gradients are reduced in the parameters' dtype.
         process_group: the ranks to shard over (default: all).
+        blocks_per_gather: how many consecutive items of an ``nn.ModuleList`` (a Transformer's
+            layers) travel together, in one all-gather and one reduce-scatter (default 1). Each
+            collective costs the host a fixed time: 2 halves the collectives of a step whose
+            host cannot keep up with the GPU, and holds one more full layer in memory.
 
     Call ``finish_gradient_synchronization()`` after ``backward()`` and before the optimizer
     step. ``gather_full_params()``, ``state_dict()`` and ``load_state_dict()`` work with full
@@ -180,7 +184,14 @@ class FSDP(DataParallel):
         compute_dtype: torch.dtype | None = None,
         *,
         process_group: dist.ProcessGroup | None = None,
+        blocks_per_gather: int = 1,
     ):
+        if isinstance(blocks_per_gather, bool) or not isinstance(blocks_per_gather, int):
+            raise TypeError(
+                f"blocks_per_gather must be an int, got {type(blocks_per_gather).__name__}"
+            )
+        if blocks_per_gather < 1:
+            raise ValueError(f"blocks_per_gather must be >= 1, got {blocks_per_gather}")
         if compute_dtype is not None and not (
             isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
         ):
@@ -197,7 +208,7 @@ class FSDP(DataParallel):
                 self._shards[param] = shard
         _WRAPPED[module] = (type(self).__name__, None)  # sharded in place: never wrap it again
         self._units = _owners(module, self._shards, replicated_cast=compute_dtype is not None)
-        self._group_of = _blocks(module, [owner for owner, _ in self._units])
+        self._group_of = _blocks(module, [owner for owner, _ in self._units], blocks_per_gather)
         # per unit: its sharded (attribute, parameter) pairs, in the order of its uses
         self._sharded_of = [
             [(n, p) for n, p in attributes if p in self._shards] for _, attributes in self._units
@@ -382,7 +393,11 @@ class FSDP(DataParallel):
                 full = self._ready(use)
                 if param.requires_grad:
                     full = _GatheredWeight.apply(param, self, use)
-                use.previous, self._last_use = self._last_use, use
+                last = self._last_use  # backward gathers the block before while this one runs
+                use.previous = (
+                    last if last is None or last.cohort is not use.cohort else last.previous
+                )
+                self._last_use = use
                 self._live[full.untyped_storage().data_ptr()] = use
                 module.__dict__[name] = full
         if len(sharded) < len(attributes):  # replicated parameters, cast for compute
@@ -449,13 +464,21 @@ class FSDP(DataParallel):
         position = self._position
         self._position += 1
         if position < len(self._order) and self._order[position] == unit:
-            if position + 1 < len(self._order):
-                following = self._order[position + 1]
-                if following not in self._prefetched:
-                    self._prefetched[following] = self._start_unit(following)
+            following = self._next_block_unit(position)
+            if following is not None and following not in self._prefetched:
+                self._prefetched[following] = self._start_unit(following)
         else:  # a new order (the first forward, or a different path): record it
             del self._order[position:]
             self._order.append(unit)
+
+    def _next_block_unit(self, position: int) -> int | None:
+        """The first unit after ``position`` in the forward's order that is gathered with
+        another block: gathering it while this block runs hides the all-gather."""
+        group = self._group_of[self._order[position]]
+        for following in range(position + 1, len(self._order)):
+            if self._group_of[self._order[following]] != group:
+                return self._order[following]
+        return None
 
     def _drop_prefetched(self) -> None:
         for uses in self._prefetched.values():
@@ -565,17 +588,21 @@ class FSDP(DataParallel):
         self._reduced.extend(zip(shards, pieces, strict=True))
 
 
-def _blocks(module: nn.Module, owners: list[nn.Module]) -> list[int]:
+def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1) -> list[int]:
     """A group number per owner: owners inside the same item of an ``nn.ModuleList`` (the
     innermost one: a Transformer's layer, or one expert of a list of experts inside it) share
-    one; any other owner is its own."""
+    one, and so do the items ``i`` whose ``i // items_per_block`` is equal; any other owner is its
+    own."""
     block_of: dict[int, int] = {}  # id(module) -> id(its block), for modules inside one
 
     def visit(parent: nn.Module, block: int | None) -> None:
-        for child in parent.children():
+        children = list(parent.children())
+        for index, child in enumerate(children):
             if id(child) in block_of:  # shared by two blocks: the first keeps it
                 continue
-            inner = id(child) if isinstance(parent, nn.ModuleList) else block
+            inner = block
+            if isinstance(parent, nn.ModuleList):
+                inner = id(children[index - index % items_per_block])
             if inner is not None:
                 block_of[id(child)] = inner
             visit(child, inner)
