@@ -24,6 +24,13 @@ FSDP_COMMAND = (
     "same with --batch-size 12 --checkpointing off and the first three strategies"
 )
 
+# The two runs behind h200-2gpu-fsdp-blocks.csv, one after the other on one host.
+FSDP_BLOCKS_COMMAND = (
+    "torchrun --nproc-per-node 2 packages/ddp/benchmarks/fsdp.py --kernels fused --rounds 3 "
+    "--strategies 'one GPU alone' 'FSDP bf16' 'torch FSDP2 bf16' 'FSDP bf16, 2 blocks per "
+    "gather' 'torch FSDP2 bf16, 2 blocks per gather'; the same with --rounds 2 --strategies FSDP "
+    "'torch FSDP2'"
+)
 
 # The two llmsys-bench llama runs behind h200-llama-training.csv (each side by side).
 LLAMA_TRAINING_COMMAND = (
@@ -256,6 +263,22 @@ TABLES = {
         (("kernel", ("transformer_lm/sharded_training",)),),
         ours="FSDP bf16",
         command=FSDP_COMMAND,
+    ),
+    "ddp-fsdp-blocks": Table(
+        "ddp",
+        "h200-2gpu-fsdp-blocks.csv",
+        (
+            "one GPU alone",
+            "FSDP bf16",
+            "torch FSDP2 bf16",
+            "FSDP bf16, 2 blocks per gather",
+            "torch FSDP2 bf16, 2 blocks per gather",
+            "FSDP",
+            "torch FSDP2",
+        ),
+        (("kernel", ("transformer_lm/sharded_training",)),),
+        ours="FSDP bf16, 2 blocks per gather",
+        command=FSDP_BLOCKS_COMMAND,
     ),
     "ddp-largest": Table(
         "ddp",
