@@ -550,3 +550,51 @@ def test_gemm_refuses_gradients_through_the_op(device):
         torch.ops.llmsys.int8_matmul(a, a_scale, b, b_scale2)
     with pytest.raises(RuntimeError, match="inference-only"):
         matmul_int8(a, a_scale, b, b_scale2)
+
+
+def test_the_quick_validity_test_agrees_with_the_full_check():
+    """``check_matmul_inputs`` skips its messages when ``_plainly_valid`` passes: every variant
+    the full check refuses must fail the quick test, and every valid one pass it."""
+    from llmsys.kernels_int8 import ops
+
+    m, k, n = 3, 8, 5
+    good = {
+        "a": torch.zeros(m, k, dtype=torch.int8),
+        "a_scale": torch.ones(m, dtype=torch.float16),
+        "b": torch.zeros(k, n, dtype=torch.int8),
+        "b_scale": torch.ones(n, dtype=torch.float32),
+        "bias": None,
+        "out": None,
+    }
+    variants = [
+        {},
+        {"bias": torch.zeros(n, dtype=torch.bfloat16)},
+        {"out": torch.empty(m, n)},
+        {"a": torch.zeros(m, k)},
+        {"a": torch.zeros(m, k, 1, dtype=torch.int8)},
+        {"a": [[0] * k] * m},
+        {"b": torch.zeros(k + 1, n, dtype=torch.int8)},
+        {"b": torch.zeros(k, n, dtype=torch.uint8)},
+        {"a_scale": torch.ones(m + 1, dtype=torch.float16)},
+        {"a_scale": torch.ones(m, dtype=torch.int32)},
+        {"a_scale": torch.ones(m, 1, dtype=torch.float16)},
+        {"b_scale": torch.ones(n - 1)},
+        {"b_scale": torch.ones(n, device="meta")},
+        {"bias": torch.zeros(n + 1)},
+        {"bias": torch.zeros(n, dtype=torch.int8)},
+        {"bias": torch.zeros(1, n)},
+        {"bias": 0.0},
+        {"out": torch.empty(m, n + 1)},
+        {"out": torch.empty(m, n, dtype=torch.int32)},
+        {"out": torch.empty(m, n, device="meta")},
+        {"b": torch.zeros(k, n, dtype=torch.int8, device="meta")},
+    ]
+    for change in variants:
+        args = {**good, **change}
+        try:
+            ops.check_matmul_inputs(**args)
+            valid = True
+        except (TypeError, ValueError, AttributeError):
+            valid = False
+        quick = ops._plainly_valid(*args.values())
+        assert quick == valid, (sorted(change), quick, valid)

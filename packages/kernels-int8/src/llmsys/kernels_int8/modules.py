@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from llmsys.triton_launch import checks
+from llmsys.triton_launch import call_below_autograd, checks
 
 from . import ops
 from .functional import matmul_int8, quantize_int8_perrow
@@ -118,19 +118,24 @@ class Int8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+        checks.tensor("Int8Linear", "x", x, ops.FLOAT_DTYPES)
+        if x.requires_grad and torch.is_grad_enabled():
             raise ops.inference_only_error("Int8Linear")
-        if isinstance(x, torch.Tensor) and (x.dim() < 1 or x.shape[-1] != self.in_features):
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Int8Linear: `x` must have shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
         lead = x.shape[:-1]
         rows = x.reshape(math.prod(lead), self.in_features)  # (M, K)
         if self.check_finite:
-            checks.tensor("Int8Linear", "x", rows, ops.FLOAT_DTYPES)
             ops.check_finite_rows("Int8Linear", "x", rows)
-        q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
-        out = matmul_int8(q, scale, self.qweight.t(), self.weight_scale, bias=self.bias)  # (M, N)
+        # The ops below autograd, as the public functions call them, without their checks of
+        # arguments that are this layer's own buffers and an `x` checked above (host time per
+        # call, issue 25).
+        q, scale = call_below_autograd(ops.int8_quantize_perrow, rows)  # (M, K), (M,)
+        out = call_below_autograd(
+            ops.int8_matmul, q, scale, self.qweight.t(), self.weight_scale, self.bias
+        )  # (M, N)
         return out.reshape(*lead, self.out_features)
 
     def forward_quantized(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -67,8 +67,61 @@ def check_quantize_input(x) -> None:
     _check_tensor("int8_quantize_perrow", "x", x, FLOAT_DTYPES, 2, "(M, K); reshape(-1, K) first")
 
 
+_Tensor = torch.Tensor
+
+
+def _plainly_valid(a, a_scale, b, b_scale, bias, out) -> bool:
+    """The GEMM's arguments are valid, tested in a few comparisons (every call's path); False
+    leaves it to the full check to name what is wrong."""
+    if not (
+        type(a) is _Tensor
+        and type(b) is _Tensor
+        and type(a_scale) is _Tensor
+        and type(b_scale) is _Tensor
+        and a.dtype is torch.int8
+        and b.dtype is torch.int8
+        and a_scale.dtype in FLOAT_DTYPES
+        and b_scale.dtype in FLOAT_DTYPES
+        and a.dim() == 2
+        and b.dim() == 2
+        and a_scale.dim() == 1
+        and b_scale.dim() == 1
+    ):
+        return False
+    (m, k), (k_b, n) = a.shape, b.shape
+    device = a.device
+    return (
+        k_b == k
+        and a_scale.shape[0] == m
+        and b_scale.shape[0] == n
+        and b.device == device
+        and a_scale.device == device
+        and b_scale.device == device
+        and (
+            bias is None
+            or (
+                type(bias) is _Tensor
+                and bias.dtype in FLOAT_DTYPES
+                and bias.shape == (n,)
+                and bias.device == device
+            )
+        )
+        and (
+            out is None
+            or (
+                type(out) is _Tensor
+                and out.dtype in FLOAT_DTYPES
+                and out.shape == (m, n)
+                and out.device == device
+            )
+        )
+    )
+
+
 def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad argument of the GEMM."""
+    if _plainly_valid(a, a_scale, b, b_scale, bias, out):
+        return
     op = "int8_matmul"
     _check_tensor(op, "a", a, (torch.int8,), 2, "(M, K)")
     _check_tensor(op, "b", b, (torch.int8,), 2, "(K, N)")
