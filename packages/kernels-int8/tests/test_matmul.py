@@ -400,8 +400,8 @@ def bad_cases():
         ("b_scale", torch.rand(5).double(), TypeError, r"`b_scale` must have dtype.*float64"),
         ("bias", torch.rand(4), ValueError, r"`bias` must have shape \(5,\)"),
         ("bias", torch.ones(5, dtype=torch.int8), TypeError, r"`bias` must have dtype"),
-        ("out", torch.empty(5, 4), ValueError, r"`out` must have shape \(4, 5\)"),
-        ("out", torch.empty(4, 5, dtype=torch.int32), TypeError, r"`out` must have dtype"),
+        ("out", torch.zeros(5, 4), ValueError, r"`out` must have shape \(4, 5\)"),
+        ("out", torch.zeros(4, 5, dtype=torch.int32), TypeError, r"`out` must have dtype"),
         ("b", b.to("meta"), ValueError, r"`b` must be on the device of `a`"),
         ("out", torch.empty(4, 5, device="meta"), ValueError, r"`out` must be on the device"),
         ("a", [[1]], TypeError, r"`a` must be a torch.Tensor, got list"),
@@ -415,7 +415,7 @@ def bad_cases():
 
 @pytest.mark.parametrize(("kwargs", "error", "pattern"), bad_cases())
 def test_bad_input_raises_naming_the_argument(kwargs, error, pattern):
-    before = {
+    before = {  # (zero-filled, not empty: uninitialized memory may hold a NaN, unequal to itself)
         k: v.clone()
         for k, v in kwargs.items()
         if isinstance(v, torch.Tensor) and v.device.type != "meta"

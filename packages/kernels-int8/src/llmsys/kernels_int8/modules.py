@@ -13,7 +13,7 @@ from torch import nn
 from llmsys.triton_launch import call_below_autograd, checks
 
 from . import ops
-from .functional import matmul_int8, quantize_int8_perrow
+from .functional import quantize_int8_perrow  # (importing functional registers the ops' autograd)
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,12 @@ class Int8Linear(nn.Module):
             TypeError, ValueError: as :func:`matmul_int8`, naming ``a`` (``q``) and ``a_scale``
                 (``scale``).
         """
-        return matmul_int8(q, scale, self.qweight.t(), self.weight_scale, bias=self.bias)
+        checks.tensors("matmul_int8", a=q, a_scale=scale)  # before the dispatcher's own error
+        if scale.requires_grad and torch.is_grad_enabled():
+            raise ops.inference_only_error("matmul_int8")
+        return call_below_autograd(
+            ops.int8_matmul, q, scale, self.qweight.t(), self.weight_scale, self.bias
+        )
 
     def extra_repr(self) -> str:
         return (
