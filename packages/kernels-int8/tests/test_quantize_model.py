@@ -279,4 +279,11 @@ def test_compile_fullgraph(device):
     quantize_model(model)
     ids = tokens(device)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    assert torch.equal(logits(compiled, ids, use_cache=False), logits(model, ids, use_cache=False))
+    got, want = logits(compiled, ids, use_cache=False), logits(model, ids, use_cache=False)
+    if ids.is_cuda:
+        # On an H100, dynamo runs transformers' own float code slightly differently: the
+        # unquantized model's logits move by 6e-7 compiled. A move that flips one activation's
+        # int8 rounding changes the logits by a few 1e-3 (4.7e-3 measured).
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+    else:
+        assert torch.equal(got, want)
