@@ -17,11 +17,12 @@ from pathlib import Path
 
 MAIN_JOB = "python tools/bench.py"
 DDP_COMMAND = "python packages/ddp/benchmarks/sweep.py (2 GPUs)"
-# The two runs behind h200-2gpu-fsdp.csv (batch 4 and batch 12 per GPU), one after the other.
+# The three runs behind h200-2gpu-fsdp.csv, one after the other on one host.
 FSDP_COMMAND = (
-    "torchrun --nproc-per-node 2 packages/ddp/benchmarks/fsdp.py --kernels fused --checkpointing "
-    "both --strategies 'one GPU alone' 'FSDP bf16' 'torch FSDP2 bf16' FSDP 'torch FSDP2'; the "
-    "same with --batch-size 12 --checkpointing off and the first three strategies"
+    "torchrun --nproc-per-node 2 packages/ddp/benchmarks/fsdp.py --kernels fused --rounds 2 "
+    "--checkpointing both --strategies 'one GPU alone' 'FSDP bf16' 'FSDP bf16, 2 blocks per "
+    "gather' 'torch FSDP2 bf16'; the same with --batch-size 12 --checkpointing off; the same at "
+    "batch 4 with --rounds 4 --steps 5 (the second run)"
 )
 
 # The two runs behind h200-2gpu-fsdp-blocks.csv, one after the other on one host.
@@ -259,7 +260,7 @@ TABLES = {
     "ddp-fsdp": Table(
         "ddp",
         "h200-2gpu-fsdp.csv",
-        ("torch FSDP2 bf16", "FSDP bf16", "torch FSDP2", "FSDP", "one GPU alone"),
+        ("one GPU alone", "FSDP bf16", "FSDP bf16, 2 blocks per gather", "torch FSDP2 bf16"),
         (("kernel", ("transformer_lm/sharded_training",)),),
         ours="FSDP bf16",
         command=FSDP_COMMAND,
