@@ -58,6 +58,7 @@ def test_fsdp_benchmark_runs_every_strategy_on_two_cpu_ranks(tmp_path):
     rows = results.read_rows(out)
     assert [r.provider for r in rows] == [
         "one process alone", "DDPBucketed", "ShardedOptimizer + DDPBucketed", "FSDP", "FSDP bf16",
-        "torch FSDP2", "torch FSDP2 bf16",
+        "torch FSDP2", "torch FSDP2 bf16", "FSDP bf16, 2 blocks per gather",
+        "torch FSDP2 bf16, 2 blocks per gather",
     ]  # fmt: skip
     assert all(r.p50 > 0 and "predicted peak" in r.config for r in rows)
