@@ -35,6 +35,9 @@ torch.library.register_autograd(
     ops.int8_quantize_perrow, _no_backward, setup_context=_no_grad_outputs
 )
 torch.library.register_autograd(ops.int8_matmul, _no_backward, setup_context=_refuse("int8_matmul"))
+torch.library.register_autograd(
+    ops.int8_matmul_quantize, _no_backward, setup_context=_refuse("int8_matmul_quantize")
+)
 
 
 def _matmul_out_autograd(*args):

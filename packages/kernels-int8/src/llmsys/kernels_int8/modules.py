@@ -129,12 +129,12 @@ class Int8Linear(nn.Module):
         rows = x.reshape(math.prod(lead), self.in_features)  # (M, K)
         if self.check_finite:
             ops.check_finite_rows("Int8Linear", "x", rows)
-        # The ops below autograd, as the public functions call them, without their checks of
-        # arguments that are this layer's own buffers and an `x` checked above (host time per
-        # call, issue 25).
-        q, scale = call_below_autograd(ops.int8_quantize_perrow, rows)  # (M, K), (M,)
+        # One op (quantize, then multiply: one launch for up to 16 rows), called below autograd
+        # as the public functions call theirs, without their own argument checks (the op checks
+        # its arguments once; host time per call, issue 25). A buffer that requires grad makes
+        # the op refuse, naming it.
         out = call_below_autograd(
-            ops.int8_matmul, q, scale, self.qweight.t(), self.weight_scale, self.bias
+            ops.int8_matmul_quantize, rows, self.qweight.t(), self.weight_scale, self.bias
         )  # (M, N)
         return out.reshape(*lead, self.out_features)
 

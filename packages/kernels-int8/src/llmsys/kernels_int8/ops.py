@@ -4,6 +4,7 @@
     int8_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias) -> Tensor
     int8_matmul_out(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias,
                     Tensor(a!) out) -> ()
+    int8_matmul_quantize(Tensor x, Tensor b, Tensor b_scale, Tensor? bias) -> Tensor
 
 Registered and launched the way every llmsys kernel package does it (``llmsys.triton_launch``),
 so ``torch.compile(fullgraph=True)`` sees them as single nodes and CUDA graphs capture them. They
@@ -34,6 +35,7 @@ from .kernels import (
     perrow_w8a8_matmul_kernel,
     perrow_w8a8_matmul_tma_kernel,
     quantize_int8_perrow_kernel,
+    quantize_matmul_decode_kernel,
     splitk_epilogue_kernel,
 )
 from .reference import matmul_int8_reference, quantize_int8_perrow_reference
@@ -45,6 +47,8 @@ except ImportError:  # pragma: no cover - older triton: the pointer kernel does 
 
 NAMESPACE = "llmsys"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Rows the one-launch decode kernel takes (its BLOCK_M, the int8 tensor cores' smallest M).
+DECODE_MAX_M = 16
 # The int32 accumulator is exact for at most this many int8 products (|a * b| <= 128 * 128);
 # a longer K is split into ranges of at most this length whose partials are summed in int64.
 MAX_K_PER_SPLIT = (2**31 - 1) // (128 * 128)  # 131071
@@ -148,6 +152,27 @@ def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
         tensors["out"] = out
     for name, t in tensors.items():
         checks.same_device(op, name, t, "a", a)
+
+
+def check_matmul_quantize_inputs(x, b, b_scale, bias) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the first bad argument of the quantizing GEMM."""
+    op = "int8_matmul_quantize"
+    _check_tensor(op, "x", x, FLOAT_DTYPES, 2, "(M, K); reshape(-1, K) first")
+    _check_tensor(op, "b", b, (torch.int8,), 2, "(K, N)")
+    k, n = x.shape[1], b.shape[1]
+    if b.shape[0] != k:
+        raise ValueError(
+            f"{op}: `b` must have K = x.shape[1] = {k} rows, got shape {tuple(b.shape)}"
+        )
+    _check_tensor(op, "b_scale", b_scale, FLOAT_DTYPES, 1, f"(N,) = ({n},)")
+    if b_scale.shape[0] != n:
+        raise ValueError(f"{op}: `b_scale` must have shape ({n},), got {tuple(b_scale.shape)}")
+    if bias is not None:
+        _check_tensor(op, "bias", bias, FLOAT_DTYPES, 1, f"(N,) = ({n},)")
+        if bias.shape[0] != n:
+            raise ValueError(f"{op}: `bias` must have shape ({n},), got {tuple(bias.shape)}")
+    for name, t in (("b", b), ("b_scale", b_scale), ("bias", bias)):
+        checks.same_device(op, name, t, "x", x)
 
 
 def can_synchronize(t: torch.Tensor) -> bool:
@@ -387,6 +412,37 @@ def matmul_out(a, a_scale, b, b_scale, bias, out) -> None:
     _matmul_into(a, a_scale, b, b_scale, bias, out)
 
 
+def matmul_quantize(x, b, b_scale, bias=None) -> torch.Tensor:
+    """The implementation of ``int8_matmul_quantize``: ``matmul(*quantize(x), b, b_scale,
+    bias)``, in one launch of the decode kernel for at most ``DECODE_MAX_M`` rows (equal bit for
+    bit), else the quantizer and the GEMM."""
+    check_matmul_quantize_inputs(x, b, b_scale, bias)
+    (m, k), n = x.shape, b.shape[1]
+    one_launch = 0 < m <= DECODE_MAX_M and 0 < k <= MAX_K_PER_SPLIT and n > 0
+    if not (one_launch and (x.is_cuda or CPU_RUNS_TRITON)):
+        q, scale = quantize(x)
+        return matmul(q, scale, b, b_scale, bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n, block_k = (64 if n >= 8192 else 32), 256  # the GEMM's best at decode (decode_gemm.py)
+    launch(
+        quantize_matmul_decode_kernel,
+        cdiv(n, block_n),
+        (x, b, out, b_scale, bias if bias is not None else b_scale, m, n, k,
+         x.stride(0), x.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1)),
+        {
+            "BLOCK_M": DECODE_MAX_M,
+            "BLOCK_N": block_n,
+            "BLOCK_K": block_k,
+            "EVEN_K": k % block_k == 0,
+            "HAS_BIAS": bias is not None,
+            "USE_LIBDEVICE": x.is_cuda,
+        },
+        num_warps=4,
+        num_stages=4,
+    )  # fmt: skip
+    return out
+
+
 # --- registration --------------------------------------------------------------------------------
 
 
@@ -403,6 +459,11 @@ def _matmul_fake(a, a_scale, b, b_scale, bias=None):
 
 def _matmul_out_fake(a, a_scale, b, b_scale, bias, out):
     check_matmul_inputs(a, a_scale, b, b_scale, bias, out)
+
+
+def _matmul_quantize_fake(x, b, b_scale, bias=None):
+    check_matmul_quantize_inputs(x, b, b_scale, bias)
+    return x.new_empty((x.shape[0], b.shape[1]))
 
 
 def inference_only_error(what: str) -> RuntimeError:
@@ -428,4 +489,10 @@ int8_matmul_out = define_op(
     "Tensor(a!) out) -> ()",
     matmul_out,
     _matmul_out_fake,
+)
+int8_matmul_quantize = define_op(
+    _lib,
+    "int8_matmul_quantize(Tensor x, Tensor b, Tensor b_scale, Tensor? bias=None) -> Tensor",
+    matmul_quantize,
+    _matmul_quantize_fake,
 )
