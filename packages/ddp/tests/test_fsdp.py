@@ -720,3 +720,82 @@ def test_nccl_on_two_gpus(run_ranks):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs for one NCCL rank each")
     run_ranks(check_on_gpus, backend="nccl")
+
+
+class PlainBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, h):
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+class EveryBlockCheckpointed(nn.Module):
+    def __init__(self, reentrant: bool, frozen: bool = False):
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(PlainBlock() for _ in range(4))
+        self.head = nn.Linear(8, 3)
+        if frozen:  # a frozen base, as under LoRA: only the biases and the head train
+            for block in self.blocks:
+                block.up.weight.requires_grad_(False)
+                block.down.weight.requires_grad_(False)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_two_blocks_per_gather_with_every_block_checkpointed(monkeypatch, reentrant):
+    """Backward recomputes one block at a time: it gathers that block alone, never a block
+    whose backward is done, and nothing is left gathered when backward ends."""
+    torch.manual_seed(0)
+    expected = EveryBlockCheckpointed(reentrant).double()
+    torch.manual_seed(0)
+    model = FSDP(EveryBlockCheckpointed(reentrant).double(), blocks_per_gather=2)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    sizes = count_gathers(monkeypatch)
+    for _ in range(2):  # the second step prefetches in the recorded order
+        sizes.clear()
+        model.zero_grad()
+        model(x).sum().backward()
+        assert model._prefetched == {}
+        model.finish_gradient_synchronization()
+        # forward: two pairs of blocks (4 weights each), then the head; backward:
+        # the head, then one block (2 weights) per recomputation
+        assert sizes == [4, 4, 1, 1, 2, 2, 2, 2], sizes
+    expected(x).sum().backward()
+    for (name, p), q in zip(model.module.named_parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.view(-1)[: q.numel()], q.grad.view(-1), msg=name)
+
+
+def test_frozen_weights_gathered_for_backward_are_released(monkeypatch):
+    """A frozen weight gets no gradient to release it: backward drops its full copy after use."""
+    model = FSDP(EveryBlockCheckpointed(reentrant=False, frozen=True))
+    x = torch.randn(4, 8, requires_grad=True)
+    before = full_weights_alive((16, 8))
+    model(x).sum().backward()
+    model.finish_gradient_synchronization()
+    assert x.grad is not None and all(b.up.bias.grad is not None for b in model.module.blocks)
+    assert full_weights_alive((16, 8)) == before
+
+
+def test_blocks_are_consecutive_items_of_their_own_list():
+    """Groups of two items of one list, by position: a layer shared with an earlier list stays
+    in that list's group, and the same layer twice in a list counts twice."""
+    from llmsys.ddp.fsdp import _blocks
+
+    a, b, c, d = (nn.Linear(2, 2) for _ in range(4))
+    model = nn.Module()
+    model.enc, model.mid, model.dec = (
+        nn.ModuleList([a, b]),
+        nn.Linear(2, 2),
+        nn.ModuleList([a, c, d]),
+    )
+    assert _blocks(model, [a, b, model.mid, c, d], 2) == [0, 0, 1, 2, 3]
+    assert _blocks(model, [a, b, model.mid, c, d], 1) == [0, 1, 2, 3, 4]
+    assert _blocks(nn.ModuleList([a, a, b, c]), [a, b, c], 2) == [0, 1, 1]

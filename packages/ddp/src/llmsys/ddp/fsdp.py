@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from numbers import Integral
 
 import torch
 import torch.distributed as dist
@@ -168,10 +169,12 @@ class FSDP(DataParallel):
             weights, the gradients the optimizer sees and its state stay in the parameters'
             dtype. Gradients are reduced in the parameters' dtype.
         process_group: the ranks to shard over (default: all).
-        blocks_per_gather: how many consecutive items of an ``nn.ModuleList`` (a Transformer's
-            layers) travel together, in one all-gather and one reduce-scatter (default 1). Each
-            collective costs the host a fixed time: 2 halves the collectives of a step whose
-            host cannot keep up with the GPU, and holds one more full layer in memory.
+        blocks_per_gather: how many consecutive items of each innermost ``nn.ModuleList`` (a
+            Transformer's layers; a list of experts too) travel together, in one all-gather and
+            one reduce-scatter (default 1). Each collective costs the host a fixed time: 2
+            halves the collectives of a step whose host cannot keep up with the GPU. Forward
+            holds up to two groups' full weights (the one computing, the next one arriving):
+            2 x blocks_per_gather layers.
 
     Call ``finish_gradient_synchronization()`` after ``backward()`` and before the optimizer
     step. ``gather_full_params()``, ``state_dict()`` and ``load_state_dict()`` work with full
@@ -186,12 +189,13 @@ class FSDP(DataParallel):
         process_group: dist.ProcessGroup | None = None,
         blocks_per_gather: int = 1,
     ):
-        if isinstance(blocks_per_gather, bool) or not isinstance(blocks_per_gather, int):
+        if isinstance(blocks_per_gather, bool) or not isinstance(blocks_per_gather, Integral):
             raise TypeError(
                 f"blocks_per_gather must be an int, got {type(blocks_per_gather).__name__}"
             )
         if blocks_per_gather < 1:
             raise ValueError(f"blocks_per_gather must be >= 1, got {blocks_per_gather}")
+        blocks_per_gather = int(blocks_per_gather)
         if compute_dtype is not None and not (
             isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point
         ):
@@ -419,7 +423,8 @@ class FSDP(DataParallel):
         """Gather ``unit``'s weights with those of the other units of its block that are not
         gathered already (they wait in ``_prefetched``); returns ``unit``'s uses."""
         group = self._group_of[unit]
-        later = None  # recomputing in backward: only the units from this one on will run
+        later = None  # recomputing in backward: only units from this one on whose backward is
+        # still to come will run
         if torch._C._current_graph_task_id() != -1 and unit in self._order:
             later = set(self._order[self._order.index(unit) :])
         members = [
@@ -429,7 +434,7 @@ class FSDP(DataParallel):
             or (
                 u not in self._prefetched
                 and u not in self._active
-                and (later is None or u in later)
+                and (later is None or (u in later and u not in self._finished))
             )
         ]
         uses_of = {u: [_Use(self._shards[p], u) for _, p in self._sharded_of[u]] for u in members}
@@ -515,6 +520,10 @@ class FSDP(DataParallel):
         ):
             self._regather(previous)
         full = self._ready(use)
+        if not use.shard.param.requires_grad:
+            # No gradient will arrive to release a frozen weight: autograd's node holds it only
+            # while its backward runs. (Another node saving it gathers it again.)
+            use.full, use.saved = None, False
         return full.as_strided(*saved.view)
 
     def _gradient_arrived(self, use: _Use, grad_full: torch.Tensor) -> None:
@@ -593,16 +602,14 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
     innermost one: a Transformer's layer, or one expert of a list of experts inside it) share
     one, and so do the items ``i`` whose ``i // items_per_block`` is equal; any other owner is its
     own."""
-    block_of: dict[int, int] = {}  # id(module) -> id(its block), for modules inside one
+    block_of: dict[int, tuple] = {}  # id(module) -> (id(its list), chunk), for modules inside one
 
-    def visit(parent: nn.Module, block: int | None) -> None:
-        children = list(parent.children())
-        for index, child in enumerate(children):
+    def visit(parent: nn.Module, block: object) -> None:
+        is_list = isinstance(parent, nn.ModuleList)
+        for index, child in enumerate(parent if is_list else parent.children()):
             if id(child) in block_of:  # shared by two blocks: the first keeps it
                 continue
-            inner = block
-            if isinstance(parent, nn.ModuleList):
-                inner = id(children[index - index % items_per_block])
+            inner = (id(parent), index // items_per_block) if is_list else block
             if inner is not None:
                 block_of[id(child)] = inner
             visit(child, inner)
