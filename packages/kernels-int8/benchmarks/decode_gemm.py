@@ -9,10 +9,8 @@ measured copy bandwidth.
 configuration of the tuner's candidates (``tuning.matmul_candidates``) and of a grid around them
 (BLOCK_N 16 to 64, BLOCK_K 256 and 512, 4 and 6 stages, 2 and 4 warps, split-K 1 to 8) is timed
 with its epilogue, L2 flushed before each call (the sweep's ``gpu_time_ms``), on pre-quantized
-rows; then, from float16 rows, ``int8_matmul_quantize`` (one launch) against the quantizer and
-the GEMM. Writes one row per configuration and call to ``DIR/decode_gemm_<gpu>.csv`` (default:
-results/ beside this file) and prints, per shape, the best the tuner can pick, the best of all
-and the two calls from float rows.
+rows. Writes one row per configuration to ``DIR/decode_gemm_<gpu>.csv`` (default: results/
+beside this file) and prints, per shape, the best the tuner can pick and the best of all.
 """
 
 from __future__ import annotations
@@ -77,30 +75,6 @@ def measure(m: int, k: int, n: int, bandwidth: float, stamp: dict) -> list[resul
     return rows
 
 
-def from_float_rows(m: int, k: int, n: int, bandwidth: float, stamp: dict) -> list[results.Row]:
-    """From float16 rows: ``int8_matmul_quantize`` (one launch up to 16 rows) against the
-    quantizer then the GEMM (two launches), each as a whole call."""
-    x = torch.randn(m, k, device="cuda", dtype=torch.float16)
-    b = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda").t()
-    b_scale = torch.rand(n, device="cuda", dtype=torch.float16)
-    calls = {
-        "one launch (int8_matmul_quantize)": lambda: ops.int8_matmul_quantize(x, b, b_scale),
-        "quantize + GEMM": lambda: ops.int8_matmul(*ops.int8_quantize_perrow(x), b, b_scale),
-    }
-    rows = []
-    for provider, call in calls.items():
-        p20, p50, p80 = gpu_time_ms(call, "cuda")
-        rate = k * n / (p50 * 1e-3)
-        rows.append(
-            results.Row(
-                "w8a8_gemm/decode-from-float", provider, "e2e", f"M={m} K={k} N={n}", "float16",
-                p20, p50, p80, throughput=rate / 1e9, throughput_unit="GB/s of int8 weights",
-                roofline_fraction=rate / bandwidth, config=f"target {TARGETS[n]:.0%}", **stamp,
-            )
-        )  # fmt: skip
-    return rows
-
-
 def _time(row: results.Row) -> float:
     return row.p50
 
@@ -122,16 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     with harness.progress_bar(desc="decode GEMM shapes", total=len(SHAPES)) as bar:
         for m, k, n in SHAPES:
             found = measure(m, k, n, bandwidth, stamp)
-            fused, unfused = from_float_rows(m, k, n, bandwidth, stamp)
-            rows += [*found, fused, unfused]
+            rows += found
             tuner = min((r for r in found if r.config.startswith("the tuner")), key=_time)
             best = min(found, key=_time)
             lines.append(
                 f"M={m} K={k} N={n}: tuner's best {tuner.provider} {tuner.p50 * 1e3:.1f} us "
                 f"({tuner.roofline_fraction:.0%}); overall best {best.provider} "
-                f"{best.p50 * 1e3:.1f} us ({best.roofline_fraction:.0%}); target {TARGETS[n]:.0%}; "
-                f"from float rows: one launch {fused.p50 * 1e3:.1f} us, quantize + GEMM "
-                f"{unfused.p50 * 1e3:.1f} us"
+                f"{best.p50 * 1e3:.1f} us ({best.roofline_fraction:.0%}); target {TARGETS[n]:.0%}"
             )
             bar.update(1)
     print("\n".join(lines))

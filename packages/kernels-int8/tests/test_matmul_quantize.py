@@ -1,5 +1,5 @@
-"""int8_matmul_quantize, the op Int8Linear calls: quantize then multiply, in one launch of the
-decode kernel for up to 16 rows. It must equal the quantizer followed by the GEMM bit for bit."""
+"""int8_matmul_quantize, the op Int8Linear calls: the quantizer then the GEMM in one op call.
+It must equal the two ops called one after the other, bit for bit."""
 
 import pytest
 import torch
@@ -26,8 +26,6 @@ def unfused(x, b, b_scale, bias):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 256, 40), (5, 100, 33), (16, 512, 96), (17, 64, 8)])
 def test_equals_the_quantizer_then_the_gemm(m, k, n, dtype, bias, device):
-    """M <= 16 takes the one-launch kernel (K a multiple of its block or not, N a multiple of its
-    block or not); M = 17 the two launches."""
     x, b, b_scale, bias_ = operands(m, k, n, dtype, device, bias)
     out = torch.ops.llmsys.int8_matmul_quantize(x, b, b_scale, bias_)
     assert out.shape == (m, n) and out.dtype == dtype

@@ -41,22 +41,16 @@ def _abs_nan_as_inf(x):
 
 
 @triton.jit
-def _row_scale(amax, DTYPE: tl.constexpr):
-    # scale = amax / 127 with IEEE division, rounded to DTYPE (the scale's stored dtype) and
-    # returned as float32: q divides by the stored scale, so q * scale is what a consumer
-    # rebuilds. A row holding a NaN or Inf (amax = inf) gets a NaN scale, so everything computed
-    # from it downstream is NaN, as the float path would give, with no host synchronisation.
+def _store_scale(scale_ptr, rows, row_mask, amax):
+    # scale = amax / 127 with IEEE division, rounded to the scale's dtype; the returned float32
+    # copy of the *stored* scale is what q divides by, so q * scale is what a consumer rebuilds.
+    # A row holding a NaN or Inf (amax = inf) gets a NaN scale, so everything computed from it
+    # downstream is NaN, as the float path would give, with no host synchronisation.
     scale = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
     scale = tl.where(amax < float("inf"), scale, float("nan"))
-    return scale.to(DTYPE).to(tl.float32)
-
-
-@triton.jit
-def _store_scale(scale_ptr, rows, row_mask, amax):
-    # _row_scale, stored in scale_ptr's dtype.
-    scale = _row_scale(amax, scale_ptr.dtype.element_ty)
-    tl.store(scale_ptr + rows, scale.to(scale_ptr.dtype.element_ty), mask=row_mask)
-    return scale
+    scale = scale.to(scale_ptr.dtype.element_ty)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
+    return scale.to(tl.float32)
 
 
 @triton.jit
@@ -135,15 +129,10 @@ def quantize_int8_perrow_kernel(
 def _scale_epilogue(
     acc, a_scale_ptr, b_scale_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS: tl.constexpr
 ):
+    # acc (BLOCK_M, BLOCK_N) int32 or int64 -> float32. Everything after the integer sum is
+    # float32 and the cast to the output dtype comes last: a float16 `acc * a_scale` can reach
+    # inf (|acc| up to K * 127**2) before `b_scale` brings it back.
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)
-    return _scale_rows(acc, a_scale, b_scale_ptr, bias_ptr, offs_n, N, HAS_BIAS)
-
-
-@triton.jit
-def _scale_rows(acc, a_scale, b_scale_ptr, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr):
-    # acc (BLOCK_M, BLOCK_N) int32 or int64, a_scale (BLOCK_M,) float32 -> float32. Everything
-    # after the integer sum is float32 and the cast to the output dtype comes last: a float16
-    # `acc * a_scale` can reach inf (|acc| up to K * 127**2) before `b_scale` brings it back.
     b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     out = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
     if HAS_BIAS:
@@ -366,82 +355,3 @@ def splitk_epilogue_kernel(
     out = _scale_epilogue(acc, a_scale_ptr, b_scale_ptr, bias_ptr, offs_m, offs_n, M, N, HAS_BIAS)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
-
-
-# --- decode: quantize and multiply in one launch -------------------------------------------------
-
-
-@triton.jit(do_not_specialize=["M"])
-def quantize_matmul_decode_kernel(
-    # pointers
-    x_ptr,  # (M, K) float16 / bfloat16 / float32 activations, M <= BLOCK_M, any strides
-    b_ptr,  # (K, N) int8; column-major (stride_bk == 1) is the fast layout
-    c_ptr,  # (M, N) output, in x's dtype
-    b_scale_ptr,  # (N,) float
-    bias_ptr,  # (N,) float, or any pointer when not HAS_BIAS
-    # sizes
-    M,
-    N,
-    K,
-    # strides
-    stride_xm,
-    stride_xk,
-    stride_bk,
-    stride_bn,
-    stride_cm,
-    stride_cn,
-    # meta-parameters
-    BLOCK_M: tl.constexpr,  # >= M: every program holds all the rows
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no column masks
-    HAS_BIAS: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,  # False under the interpreter
-):
-    """``matmul_int8(*quantize_int8_perrow(x), b, b_scale, bias)`` for a few rows, one launch.
-
-    At decode the product streams B from memory and the rows are a few kilobytes, so each
-    program (a BLOCK_N slice of the output columns) quantizes all the rows itself, from L2:
-
-        amax[m]  = max_k |x[m, k]|                   first pass over the rows
-        scale[m] = round_to_dtype(amax / 127)        as the quantizer stores it
-        for k, BLOCK_K at a time:                     second pass
-            acc += dot(rint(clamp(x[m, k] / scale)), B[k, n])     int8 -> int32
-        C[m, n] = cast(float(acc) * scale[m] * b_scale[n] (+ bias[n]))
-
-    The same arithmetic as the quantizer and the GEMM, so the result is equal bit for bit; it
-    saves the quantizer's launch, its int8 rows' round trip through memory and an allocation.
-    """
-    offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    row_mask = offs_m < M
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    offs_k = tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
-    b_ptrs = (
-        b_ptr
-        + offs_k.to(tl.int64)[:, None] * stride_bk
-        + (offs_n % N).to(tl.int64)[None, :] * stride_bn
-    )  # (BLOCK_K, BLOCK_N); columns past N wrap to valid ones, only the store is masked
-
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        mask = row_mask[:, None] & (k + offs_k[None, :] < K)
-        x = tl.load(x_rows + (k + offs_k).to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(_abs_nan_as_inf(x.to(tl.float32)), axis=1))
-    scale = _row_scale(amax, c_ptr.dtype.element_ty)  # (BLOCK_M,) float32
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(0, K, BLOCK_K):
-        mask = row_mask[:, None] & (k + offs_k[None, :] < K)
-        x = tl.load(x_rows + (k + offs_k).to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0)
-        q = _quantize(x.to(tl.float32), scale, USE_LIBDEVICE)  # (BLOCK_M, BLOCK_K) int8
-        if EVEN_K:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=offs_k[:, None] < K - k, other=0)
-        acc = tl.dot(q, b, acc, out_dtype=tl.int32)
-        b_ptrs += BLOCK_K * stride_bk
-
-    out = _scale_rows(acc, scale, b_scale_ptr, bias_ptr, offs_n, N, HAS_BIAS)
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))

@@ -129,10 +129,9 @@ class Int8Linear(nn.Module):
         rows = x.reshape(math.prod(lead), self.in_features)  # (M, K)
         if self.check_finite:
             ops.check_finite_rows("Int8Linear", "x", rows)
-        # One op (quantize, then multiply: one launch for up to 16 rows), called below autograd
-        # as the public functions call theirs, without their own argument checks (the op checks
-        # its arguments once; host time per call, issue 25). A buffer that requires grad makes
-        # the op refuse, naming it.
+        # One op (quantize, then multiply), called below autograd as the public functions call
+        # theirs, without their own argument checks (host time per call, issue 25). A buffer
+        # that requires grad makes the op refuse, naming it.
         out = call_below_autograd(
             ops.int8_matmul_quantize, rows, self.qweight.t(), self.weight_scale, self.bias
         )  # (M, N)

@@ -5,6 +5,7 @@
     int8_matmul_out(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias,
                     Tensor(a!) out) -> ()
     int8_matmul_quantize(Tensor x, Tensor b, Tensor b_scale, Tensor? bias) -> Tensor
+                         (the two above in one call)
 
 Registered and launched the way every llmsys kernel package does it (``llmsys.triton_launch``),
 so ``torch.compile(fullgraph=True)`` sees them as single nodes and CUDA graphs capture them. They
@@ -35,7 +36,6 @@ from .kernels import (
     perrow_w8a8_matmul_kernel,
     perrow_w8a8_matmul_tma_kernel,
     quantize_int8_perrow_kernel,
-    quantize_matmul_decode_kernel,
     splitk_epilogue_kernel,
 )
 from .reference import matmul_int8_reference, quantize_int8_perrow_reference
@@ -47,8 +47,6 @@ except ImportError:  # pragma: no cover - older triton: the pointer kernel does 
 
 NAMESPACE = "llmsys"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Rows the one-launch decode kernel takes (its BLOCK_M, the int8 tensor cores' smallest M).
-DECODE_MAX_M = 16
 # The int32 accumulator is exact for at most this many int8 products (|a * b| <= 128 * 128);
 # a longer K is split into ranges of at most this length whose partials are summed in int64.
 MAX_K_PER_SPLIT = (2**31 - 1) // (128 * 128)  # 131071
@@ -413,34 +411,15 @@ def matmul_out(a, a_scale, b, b_scale, bias, out) -> None:
 
 
 def matmul_quantize(x, b, b_scale, bias=None) -> torch.Tensor:
-    """The implementation of ``int8_matmul_quantize``: ``matmul(*quantize(x), b, b_scale,
-    bias)``, in one launch of the decode kernel for at most ``DECODE_MAX_M`` rows (equal bit for
-    bit), else the quantizer and the GEMM."""
+    """The implementation of ``int8_matmul_quantize``: the quantizer, then the GEMM, behind one
+    op call (one trip below autograd, or through the dispatcher, instead of two).
+
+    A one-launch variant for decode, each program quantizing all the rows itself, was measured
+    and dropped (DECISIONS.md): recomputing the quantization in every program cost more GPU time
+    than the second launch saves."""
     check_matmul_quantize_inputs(x, b, b_scale, bias)
-    (m, k), n = x.shape, b.shape[1]
-    one_launch = 0 < m <= DECODE_MAX_M and 0 < k <= MAX_K_PER_SPLIT and n > 0
-    if not (one_launch and (x.is_cuda or CPU_RUNS_TRITON)):
-        q, scale = quantize(x)
-        return matmul(q, scale, b, b_scale, bias)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, block_k = (64 if n >= 8192 else 32), 256  # the GEMM's best at decode (decode_gemm.py)
-    launch(
-        quantize_matmul_decode_kernel,
-        cdiv(n, block_n),
-        (x, b, out, b_scale, bias if bias is not None else b_scale, m, n, k,
-         x.stride(0), x.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1)),
-        {
-            "BLOCK_M": DECODE_MAX_M,
-            "BLOCK_N": block_n,
-            "BLOCK_K": block_k,
-            "EVEN_K": k % block_k == 0,
-            "HAS_BIAS": bias is not None,
-            "USE_LIBDEVICE": x.is_cuda,
-        },
-        num_warps=4,
-        num_stages=4,
-    )  # fmt: skip
-    return out
+    q, scale = quantize(x)
+    return matmul(q, scale, b, b_scale, bias)
 
 
 # --- registration --------------------------------------------------------------------------------
