@@ -22,8 +22,9 @@ from llmsys.profiling.llama import LLAMA, TRAIN_PROVIDERS, build_llama, kernels_
 from llmsys.profiling.training import make_optimizer
 
 CATEGORIES = (  # (name, kernel-name pattern); the first match wins
-    ("gemm (cuBLAS/CUTLASS)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas|splitK"),
+    # attention first: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
     ("attention", r"flash|attn|fmha|attention"),
+    ("gemm (cuBLAS/CUTLASS)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas|splitK"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("llmsys fused", r"rms_norm|rotary|cross_entropy_rows|swiglu"),
     ("inductor triton", r"^triton_"),
