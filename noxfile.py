@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nox
@@ -119,9 +120,29 @@ def tests(session: nox.Session, package: str) -> None:
     else:
         folders = (selected.path / "tests", selected.path / "benchmarks")
         paths = [*(p for p in folders if p.exists()), "--benchmark-disable"]
-    session.run(python, *common, *paths, *pytest_args, env=envs.source_env(), external=True)
-    if selected is not None and isolate:
-        check_isolation(python, selected)
+    if selected is None or not isolate:
+        session.run(python, *common, *paths, *pytest_args, env=envs.source_env(), external=True)
+        return
+    # The isolation check (pip and one example run: mostly one core) runs beside pytest, its
+    # output kept until pytest is done; the session fails if either fails.
+    with tempfile.TemporaryFile("w+") as log:
+        check = _start_isolation(selected, log)
+        try:
+            session.run(python, *common, *paths, *pytest_args, env=envs.source_env(), external=True)
+        finally:
+            code = check.wait()
+            log.seek(0)
+            session.log(f"{selected.name}: isolation check (ran beside pytest):\n{log.read()}")
+    if code != 0:
+        session.error(f"{selected.name}: the isolation check failed (exit code {code})")
+
+
+def _start_isolation(package: workspace.Package, log) -> subprocess.Popen:
+    """``check_isolation`` for ``package`` in a process of its own, writing to ``log``."""
+    envs.torch_base()  # built (if need be) before pytest starts, not raced by both
+    env = {**envs.source_env(), "PYTHONPATH": str(ROOT / "tools")}
+    command = [sys.executable, "-m", "llmsys_dev.isolation", package.name]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @nox.session(venv_backend="none")

@@ -58,3 +58,20 @@ def check_isolation(dev_python: Path, package: Package) -> None:
     with tempfile.TemporaryDirectory() as cwd:  # away from the source tree
         _run([python, "-I", example], cwd=cwd, env={**env, "TRITON_INTERPRET": "1"})
     print(f"{package.name}: README install + example OK; environment:\n{listed}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m llmsys_dev.isolation PACKAGE``: the check for one package, as a process of
+    its own, so the noxfile's tests session runs it beside that package's pytest run."""
+    import argparse
+
+    from .workspace import discover
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("package", choices=sorted(discover()))
+    args = parser.parse_args(argv)
+    check_isolation(Path(), discover()[args.package])
+
+
+if __name__ == "__main__":
+    main()
