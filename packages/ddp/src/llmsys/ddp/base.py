@@ -82,7 +82,9 @@ class DataParallel(nn.Module):
             names.setdefault(param, []).append(name)
         # Unique tensors in registration order: a tied weight is one entry, reduced once.
         trainable = [p for p in module.parameters() if p.requires_grad]
-        self._trainable_ids = {id(p) for p in trainable}  # known to the wrapper, reduced or not
+        # Parameters frozen now have no hook: the only ones to check each step for having been
+        # unfrozen since (walking every parameter each step cost milliseconds on an xl model).
+        self._frozen = [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
         self.params = self._reduced_parameters(trainable)
         self.param_names = [" = ".join(names[p]) for p in self.params]
         self._used = [False] * len(self.params)  # got a gradient since the last synchronization
@@ -244,11 +246,7 @@ class DataParallel(nn.Module):
 
     def _check_all_parameters_known(self) -> None:
         """A parameter unfrozen after construction has no hook and would never be averaged."""
-        unknown = [
-            name
-            for name, p in self.module.named_parameters()
-            if p.requires_grad and p.grad is not None and id(p) not in self._trainable_ids
-        ]
+        unknown = [name for name, p in self._frozen if p.requires_grad and p.grad is not None]
         if unknown:
             raise RuntimeError(
                 f"{type(self).__name__}: parameters {unknown} have gradients but did not require "
