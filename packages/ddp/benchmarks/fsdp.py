@@ -118,6 +118,21 @@ STRATEGIES = {
 }  # fmt: skip
 
 
+def model_config(
+    size: str, context_length: int, kernels: str, checkpoint: bool = False
+) -> ModelConfig:
+    """The benchmark model: the profiling package's ``size``, eager SwiGLU, and RMSNorm and RoPE
+    ``kernels`` ("eager", or "fused": llmsys.kernels_fused's)."""
+    return ModelConfig.named(
+        size,
+        context_length=context_length,
+        ffn="eager",
+        checkpoint=checkpoint,
+        norm=kernels,
+        rope=kernels,
+    )
+
+
 def predicted_gib(name: str, config: ModelConfig, tokens: int, world_size: int) -> float:
     """The accounting model's bytes per GPU: float32 weights, gradients and AdamW moments
     (sharded as the strategy shards them), activations and gathered layers in the compute
@@ -328,14 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         rows = []
         for checkpoint in {"off": [False], "on": [True], "both": [False, True]}[args.checkpointing]:
-            config = ModelConfig.named(
-                args.size,
-                context_length=args.context_length,
-                ffn="eager",
-                checkpoint=checkpoint,
-                norm=args.kernels,
-                rope=args.kernels,
-            )
+            config = model_config(args.size, args.context_length, args.kernels, checkpoint)
 
             def measure_one(name: str, profiled: bool, config=config) -> dict:
                 return training.unless_out_of_memory(

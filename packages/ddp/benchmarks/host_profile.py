@@ -27,7 +27,6 @@ import torch.distributed as dist
 import llmsys.bench_harness as harness
 from llmsys.ddp import init_distributed, local_device
 from llmsys.profiling import training
-from llmsys.profiling.config import ModelConfig
 
 _fsdp = harness.load_beside(__file__, "fsdp")
 
@@ -46,13 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()
     device = local_device()
-    config = ModelConfig.named(
-        args.size,
-        context_length=args.context_length,
-        ffn="eager",
-        norm=args.kernels,
-        rope=args.kernels,
-    )
+    config = _fsdp.model_config(args.size, args.context_length, args.kernels)
     args.out.mkdir(parents=True, exist_ok=True)
     tokens = torch.randint(
         0, config.vocab_size, (args.batch_size, args.context_length), device=device

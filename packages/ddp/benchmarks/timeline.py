@@ -185,13 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()
     device = local_device()
-    config = ModelConfig.named(
-        args.size,
-        context_length=args.context_length,
-        ffn="eager",
-        norm=args.kernels,
-        rope=args.kernels,
-    )
+    config = _fsdp.model_config(args.size, args.context_length, args.kernels)
     found = {}
     for kind, names in (("ddp", args.ddp), ("fsdp", args.fsdp)):
         for name in names:
