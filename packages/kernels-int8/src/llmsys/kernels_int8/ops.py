@@ -208,6 +208,10 @@ def check_finite_rows(op: str, name: str, x: torch.Tensor) -> None:
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The quantizer's implementation (CPU and CUDA kernels of the op)."""
     check_quantize_input(x)
+    return _quantize_checked(x)
+
+
+def _quantize_checked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not x.is_cuda and not CPU_RUNS_TRITON:
         return quantize_int8_perrow_reference(x)
     m, k = x.shape
@@ -417,9 +421,11 @@ def matmul_quantize(x, b, b_scale, bias=None) -> torch.Tensor:
     A one-launch variant for decode, each program quantizing all the rows itself, was measured
     and dropped (DECISIONS.md): recomputing the quantization in every program cost more GPU time
     than the second launch saves."""
-    check_matmul_quantize_inputs(x, b, b_scale, bias)
-    q, scale = quantize(x)
-    return matmul(q, scale, b, b_scale, bias)
+    check_matmul_quantize_inputs(x, b, b_scale, bias)  # covers both steps' arguments
+    q, scale = _quantize_checked(x)  # (M, K) int8, (M,) in x's dtype
+    out = torch.empty((x.shape[0], b.shape[1]), dtype=x.dtype, device=x.device)
+    _matmul_into(q, scale, b, b_scale, bias, out)
+    return out
 
 
 # --- registration --------------------------------------------------------------------------------
