@@ -447,8 +447,9 @@ def full_weights_alive(shape) -> int:
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_selective_checkpointing_and_an_unused_layer_leave_no_full_weight(monkeypatch, reentrant):
-    """A recomputation gathers only the layers it reruns, and no full weight outlives the step:
-    not the plain half's, not the never-called layer's. Training still matches one process."""
+    """A recomputation of part of a block, run in backward outside the block's forward, finds
+    its weights full, and no full weight outlives the step: not the plain half's, not the
+    never-called layer's. Training still matches one process."""
     torch.manual_seed(0)
     expected = SelectiveLM(reentrant).double()
     torch.manual_seed(0)
@@ -464,15 +465,48 @@ def test_selective_checkpointing_and_an_unused_layer_leave_no_full_weight(monkey
             sizes.clear()
         loss.backward()
         if net is model:
-            # Backward gathers q and o again together (block 0's q alone is not saved: its input
-            # needs no gradient) and each recomputation only up and down.
-            assert sorted(sizes) == [1, 2, 2, 2], sizes
+            # Each recomputation gathers its block whole (FSDP's unit), and backward gathers
+            # the saved q and o again together (block 0's q alone is not saved: its input
+            # needs no gradient).
+            assert sorted(sizes) == [1, 2, 5, 5], sizes
             assert model._prefetched == {}
             model.finish_gradient_synchronization()
         optimizer.step()
     del loss
     assert full_weights_alive((13, 8)) == before
     assert_matches(expected, model.gather_full_params(), "selective checkpointing", atol=1e-12)
+
+
+class CheckpointedMLPThenAttention(AttentionThenCheckpointedMLP):
+    """The block's first module runs inside a reentrant checkpoint (no_grad in forward): the
+    block's weights are made full before any of them is used with gradients."""
+
+    def forward(self, h):
+        h = h + checkpoint(self.mlp, h, use_reentrant=True)
+        return h + self.o(torch.tanh(self.q(h)))
+
+
+class MLPFirstLM(SelectiveLM):
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.blocks = nn.ModuleList(CheckpointedMLPThenAttention(True) for _ in range(2))
+
+
+def test_a_block_first_entered_without_gradients_still_trains():
+    torch.manual_seed(0)
+    expected = MLPFirstLM().double()
+    torch.manual_seed(0)
+    model = FSDP(MLPFirstLM().double())
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    for net in (expected, model):
+        net(x).pow(2).mean().backward()
+    model.finish_gradient_synchronization()
+    for (name, p), q in zip(model.module.named_parameters(), expected.parameters(), strict=True):
+        if q.grad is None:  # aux, never called
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad.view(-1)[: q.numel()], q.grad.view(-1), msg=name)
 
 
 def test_nested_module_lists_gather_per_inner_item(monkeypatch):

@@ -8,29 +8,31 @@ bytes. Parameters of other ranks (norm gains, biases, scalars) are small: every 
 whole and their gradients are all-reduced, as under DDP.
 
 A sharded parameter's ``.data`` becomes this rank's flat slice: the weight flattened, padded with
-zeros to a multiple of N and cut in N equal pieces. The module that owns it (the one it is
-registered in) gathers it around its ``forward``:
+zeros to a multiple of N and cut in N equal pieces. Weights are handled a block at a time: a
+block is an item of the innermost ``nn.ModuleList`` around them (a Transformer's layer; one
+expert of a list of experts), and a module outside every list is a block of its own.
 
-    forward pre-hook    all-gather the slices (or take the one prefetched); the module's
-                        attribute now reads the full weight; issue the next block's all-gather
-    forward             the layer runs; autograd saves a token, not the full weight
-    forward hook        drop the full weight
-    backward            the token's first use gathers the weight again (prefetching the block
-                        before it); after the weight's own gradient arrives, the full copy goes
-                        and the gradient is reduce-scattered, asynchronously, into this rank's
-                        slice (summed; divided by N once at the end)
+    first module to run  all-gather the block's slices (or take the ones prefetched); every
+                        owning module's attribute now reads its full weight, through one
+                        autograd node per block; issue the next block's all-gather
+    forward             the layers run; autograd saves a token, not the full weight
+    block's forward hook drop the full weights
+    backward            a token's first use gathers the block's saved weights again
+                        (prefetching the block before it); once the block's gradients have
+                        arrived, the full copies go and the gradients are reduce-scattered, in
+                        one collective and asynchronously, into this rank's slices (summed;
+                        divided by N once at the end)
 
-so a rank holds its slices plus the few full layers in flight. The weights of one block (an item
-of the innermost ``nn.ModuleList`` around them, such as a Transformer's layer, or
-``blocks_per_gather`` consecutive items) travel together: the first of its modules to need them
-gathers them all in one all-gather, forward and backward alike, and their gradients are
-reduce-scattered in one collective once the last has arrived, because each collective costs the
-host a fixed time (about 0.2 ms on an H100 host) that a step of a hundred layers would otherwise
-pay per weight matrix. ``finish_gradient_synchronization`` waits for the reduce-scatters, hands
-each slice its gradient and averages the replicated parameters' gradients.
+so a rank holds its slices plus the few full blocks in flight. One collective per block, not per
+weight matrix, and one hook's work per block, not per layer, because the host pays each a fixed
+time (a collective about 0.2 ms on an H100 host) that a step of a hundred layers would otherwise
+pay hundreds of times. ``blocks_per_gather`` consecutive items share their collectives too.
+``finish_gradient_synchronization`` waits for the reduce-scatters, hands each slice its gradient
+and averages the replicated parameters' gradients.
 
-A sharded weight must be read inside its owner's ``forward`` only (as every layer reads its own
-weights); read from another module's ``forward`` it is the 1-D slice.
+A sharded weight must be read inside the ``forward`` of its block (as every layer reads its own
+weights); read elsewhere it is the 1-D slice. A checkpoint that recomputes part of a block in
+backward gathers the whole block.
 """
 
 from __future__ import annotations
@@ -142,18 +144,23 @@ class _SavedWeight:
         self.view = (tensor.size(), tensor.stride(), tensor.storage_offset())
 
 
-class _GatheredWeight(torch.autograd.Function):
-    """shard -> full weight (already gathered into ``use.full``); backward reduce-scatters."""
+class _GatheredWeights(torch.autograd.Function):
+    """A block's shards -> their full weights (already gathered into each ``use.full``): one
+    autograd node per block, whose backward runs once every weight's gradient has arrived and
+    hands them to the reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, shard, fsdp, use):
-        ctx.fsdp, ctx.use = fsdp, use
-        return use.full
+    def forward(ctx, fsdp, uses, *shards):
+        ctx.fsdp, ctx.uses = fsdp, uses
+        ctx.set_materialize_grads(False)  # a weight the forward did not use gets None
+        return tuple(use.full for use in uses)
 
     @staticmethod
-    def backward(ctx, grad_full):
-        ctx.fsdp._gradient_arrived(ctx.use, grad_full)
-        return None, None, None
+    def backward(ctx, *grads_full):
+        for use, grad_full in zip(ctx.uses, grads_full, strict=True):
+            if grad_full is not None:
+                ctx.fsdp._gradient_arrived(use, grad_full)
+        return (None, None) + (None,) * len(grads_full)
 
 
 class FSDP(DataParallel):
@@ -211,29 +218,32 @@ class FSDP(DataParallel):
                 param.data = shard.slice_of(param)
                 self._shards[param] = shard
         _WRAPPED[module] = (type(self).__name__, None)  # sharded in place: never wrap it again
-        self._units = _owners(module, self._shards, replicated_cast=compute_dtype is not None)
-        self._group_of = _blocks(module, [owner for owner, _ in self._units], blocks_per_gather)
-        # per unit: its sharded (attribute, parameter) pairs, in the order of its uses
+        # A unit: a block (an item of the innermost nn.ModuleList) or a module outside every
+        # list, with the (owner, attribute, parameter) triples it gathers or casts.
+        self._units = _units(module, self._shards, replicated_cast=compute_dtype is not None)
+        self._group_of = _blocks(module, [site for site, _ in self._units], blocks_per_gather)
         self._sharded_of = [
-            [(n, p) for n, p in attributes if p in self._shards] for _, attributes in self._units
+            [(o, n, p) for o, n, p in attributes if p in self._shards]
+            for _, attributes in self._units
         ]
         self._group_units: dict[int, list[int]] = {}  # group -> its units with sharded weights
         for unit, sharded in enumerate(self._sharded_of):
             if sharded:
                 self._group_units.setdefault(self._group_of[unit], []).append(unit)
-        self._module_hooks = []
-        for unit, (module_, _) in enumerate(self._units):
-            self._module_hooks.append(
-                module_.register_forward_pre_hook(lambda m, args, u=unit: self._before(u))
-            )
-            self._module_hooks.append(
-                module_.register_forward_hook(lambda m, args, out, u=unit: self._after(u))
-            )
+        for unit, (site, attributes) in enumerate(self._units):
+            # The first of a unit's modules to run makes the whole unit's weights full; the
+            # unit's own forward hook drops them. (Each owner's pre-hook is one dict lookup
+            # once its unit is active: a checkpoint recomputing one owner in backward, outside
+            # its block's forward, still finds its weights.)
+            for owner in dict.fromkeys(owner for owner, _, _ in attributes):
+                owner.register_forward_pre_hook(lambda m, args, u=unit: self._enter(u))
+            site.register_forward_hook(lambda m, args, out, u=unit: self._after(u))
         self._order: list[int] = []  # units with sharded weights, in the last forward's order
         self._position = 0  # how many of them ran in this forward
         self._prefetched: dict[int, list[_Use]] = {}
         self._finished: set[int] = set()  # units whose gradients arrived in this backward
-        self._active: dict[int, list[_Use]] = {}  # unit -> its uses while its forward runs
+        # unit -> (its uses, whether autograd records them) while its forward runs
+        self._active: dict[int, tuple[list[_Use], bool]] = {}
         self._live: dict[int, _Use] = {}  # storage address of a full weight in forward -> use
         self._last_use: _Use | None = None
         self._pending: list[tuple[_Use, torch.Tensor]] = []  # a block's full gradients so far
@@ -382,39 +392,62 @@ class FSDP(DataParallel):
             _all_gather_single(out, source, group=self.process_group)
         return out[: shard.numel].view(shard.shape)
 
+    def _enter(self, unit: int) -> None:
+        """One of ``unit``'s modules is about to run."""
+        recorded = self._active.get(unit)
+        if recorded is None:
+            self._before(unit)
+        elif not recorded[1] and torch.is_grad_enabled():
+            # Made full under no_grad (a reentrant checkpoint's forward), now run with grad:
+            # connect the weights to autograd.
+            self._install(unit, recorded[0])
+
     def _before(self, unit: int) -> None:
-        module, attributes = self._units[unit]
-        if unit in self._active:  # a recomputation stopped early inside it (see _after's callers)
-            self._after(unit)
-        sharded = self._sharded_of[unit]
-        if sharded:
+        uses: list[_Use] = []
+        if self._sharded_of[unit]:
             uses = self._prefetched.pop(unit, None)
             if uses is None:
                 uses = self._start_unit(unit)
             self._note_order(unit)
-            self._active[unit] = uses
-            for (name, param), use in zip(sharded, uses, strict=True):
+            for use in uses:
                 full = self._ready(use)
-                if param.requires_grad:
-                    full = _GatheredWeight.apply(param, self, use)
                 last = self._last_use  # backward gathers the block before while this one runs
                 use.previous = (
                     last if last is None or last.cohort is not use.cohort else last.previous
                 )
                 self._last_use = use
                 self._live[full.untyped_storage().data_ptr()] = use
-                module.__dict__[name] = full
+        self._install(unit, uses)
+
+    def _install(self, unit: int, uses: list[_Use]) -> None:
+        """Point the unit's attributes at the full weights (through one autograd node when
+        gradients are recorded) and at the replicated parameters cast for compute."""
+        recording = torch.is_grad_enabled()
+        self._active[unit] = (uses, recording)
+        sharded = self._sharded_of[unit]
+        fulls = [use.full for use in uses]
+        trainable = [i for i, (_, _, param) in enumerate(sharded) if param.requires_grad]
+        if recording and trainable:
+            outputs = _GatheredWeights.apply(
+                self, [uses[i] for i in trainable], *(sharded[i][2] for i in trainable)
+            )
+            for i, full in zip(trainable, outputs, strict=True):
+                fulls[i] = full
+        for (owner, name, _), full in zip(sharded, fulls, strict=True):
+            owner.__dict__[name] = full
+        _, attributes = self._units[unit]
         if len(sharded) < len(attributes):  # replicated parameters, cast for compute
-            for name, param in attributes:
+            for owner, name, param in attributes:
                 if param not in self._shards:
-                    module.__dict__[name] = param.to(self.compute_dtype)
+                    owner.__dict__[name] = param.to(self.compute_dtype)
 
     def _after(self, unit: int) -> None:
         """Drop the unit's full weights: freed now, or when autograd no longer needs them."""
-        module, attributes = self._units[unit]
-        for name, _ in attributes:
-            module.__dict__.pop(name, None)
-        for use in self._active.pop(unit, []):
+        _, attributes = self._units[unit]
+        for owner, name, _ in attributes:
+            owner.__dict__.pop(name, None)
+        uses, _ = self._active.pop(unit, ((), False))
+        for use in uses:
             if use.full is not None:
                 self._live.pop(use.full.untyped_storage().data_ptr(), None)
             use.full = None  # if autograd saved it, backward gathers it again
@@ -437,7 +470,9 @@ class FSDP(DataParallel):
                 and (later is None or (u in later and u not in self._finished))
             )
         ]
-        uses_of = {u: [_Use(self._shards[p], u) for _, p in self._sharded_of[u]] for u in members}
+        uses_of = {
+            u: [_Use(self._shards[p], u) for _, _, p in self._sharded_of[u]] for u in members
+        }
         every = [use for uses in uses_of.values() for use in uses]
         self._gather(every)
         grads = sum(use.cohort_grads for use in every)
@@ -559,19 +594,18 @@ class FSDP(DataParallel):
 
         As in ``_Gather``, the send buffer is viewed as (ranks, total): the columns of one
         weight hold its padded flat gradient row by row, so rank r receives its slice of every
-        weight one after another. Each gradient is copied (and cast to the parameter's dtype)
-        straight into its columns: one copy per weight."""
+        weight one after another. The gradients are copied (and cast to the parameters' dtype)
+        straight into their columns: one concatenation for all of them."""
         shards = [shard for shard, _ in pending]
         sizes = [shard.size for shard in shards]
         first = shards[0].param
         send = torch.empty(self.world_size, sum(sizes), dtype=first.dtype, device=first.device)
-        for columns, (shard, grad) in zip(send.split(sizes, dim=1), pending, strict=True):
-            if shard.numel == shard.padded:
-                columns.copy_(grad.reshape(self.world_size, shard.size))
-            else:  # the last rank's slice ends in zeros
-                flat = grad.new_zeros(shard.padded)
-                flat[: shard.numel].copy_(grad.reshape(-1))
-                columns.copy_(flat.view(self.world_size, shard.size))
+        columns = []
+        for shard, grad in pending:
+            if shard.numel != shard.padded:  # the last rank's slice ends in zeros
+                grad = torch.cat([grad.reshape(-1), grad.new_zeros(shard.padded - shard.numel)])
+            columns.append(grad.reshape(self.world_size, shard.size))
+        torch.cat(columns, dim=1, out=send)
         received = send.new_empty(sum(sizes))
         if self.world_size == 1:
             received.copy_(send.view(-1))
@@ -622,16 +656,29 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
     ]
 
 
-def _owners(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
-    """(module, [(attribute, parameter)]) for every module that owns a sharded parameter, or,
-    when parameters are cast for compute, any floating parameter."""
-    units = []
+def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
+    """(unit module, [(owner, attribute, parameter)]) for the parameters FSDP handles: the
+    sharded ones and, when parameters are cast for compute, any floating one. An owner inside
+    an item of an ``nn.ModuleList`` (the innermost one) belongs to that item's unit; an owner
+    outside every list is a unit of its own."""
+    item_of: dict[int, nn.Module | None] = {}  # id(module) -> the list item around it
+
+    def visit(parent: nn.Module, item: nn.Module | None) -> None:
+        is_list = isinstance(parent, nn.ModuleList)
+        for child in parent.children():
+            if id(child) not in item_of:  # shared by two items: the first keeps it
+                item_of[id(child)] = child if is_list else item
+                visit(child, item_of[id(child)])
+
+    visit(module, None)
+    units: dict[int, tuple[nn.Module, list]] = {}
     for owner in module.modules():
         attributes = [
-            (name, p)
+            (owner, name, p)
             for name, p in owner._parameters.items()
             if p is not None and (p in shards or (replicated_cast and p.is_floating_point()))
         ]
         if attributes:
-            units.append((owner, attributes))
-    return units
+            site = item_of.get(id(owner)) or owner
+            units.setdefault(id(site), (site, []))[1].extend(attributes)
+    return list(units.values())
