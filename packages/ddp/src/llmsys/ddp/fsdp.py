@@ -416,7 +416,8 @@ class FSDP(DataParallel):
                     last if last is None or last.cohort is not use.cohort else last.previous
                 )
                 self._last_use = use
-                self._live[full.untyped_storage().data_ptr()] = use
+                if full.numel():  # (an empty one's address is 0, as a meta tensor's)
+                    self._live[full.untyped_storage().data_ptr()] = use
         self._install(unit, uses)
 
     def _install(self, unit: int, uses: list[_Use]) -> None:
@@ -533,8 +534,11 @@ class FSDP(DataParallel):
     # -- what autograd saves ----------------------------------------------------------------
 
     def _pack(self, tensor: torch.Tensor):
-        if self._live and tensor.layout == torch.strided and tensor.device.type != "meta":
-            use = self._live.get(tensor.untyped_storage().data_ptr())
+        if self._live:  # called for every tensor autograd saves: kept to one lookup
+            try:
+                use = self._live.get(tensor.untyped_storage().data_ptr())
+            except (NotImplementedError, RuntimeError):  # sparse: no single storage
+                return tensor
             if use is not None:
                 use.saved = True
                 return _SavedWeight(use, tensor)
