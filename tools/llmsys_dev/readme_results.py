@@ -17,20 +17,12 @@ from pathlib import Path
 
 MAIN_JOB = "python tools/bench.py"
 DDP_COMMAND = "python packages/ddp/benchmarks/sweep.py (2 GPUs)"
-# The three runs behind h200-2gpu-fsdp.csv, one after the other on one host.
+# The four runs behind h200-2gpu-fsdp.csv, one after the other on one host.
 FSDP_COMMAND = (
-    "torchrun --nproc-per-node 2 packages/ddp/benchmarks/fsdp.py --kernels fused --rounds 2 "
-    "--checkpointing both --strategies 'one GPU alone' 'FSDP bf16' 'FSDP bf16, 2 blocks per "
-    "gather' 'torch FSDP2 bf16'; the same with --batch-size 12 --checkpointing off; the same at "
-    "batch 4 with --rounds 4 --steps 5 (the second run)"
-)
-
-# The two runs behind h200-2gpu-fsdp-blocks.csv, one after the other on one host.
-FSDP_BLOCKS_COMMAND = (
-    "torchrun --nproc-per-node 2 packages/ddp/benchmarks/fsdp.py --kernels fused --rounds 3 "
-    "--strategies 'one GPU alone' 'FSDP bf16' 'torch FSDP2 bf16' 'FSDP bf16, 2 blocks per "
-    "gather' 'torch FSDP2 bf16, 2 blocks per gather'; the same with --rounds 2 --strategies FSDP "
-    "'torch FSDP2'"
+    "torchrun --nproc-per-node 2 packages/ddp/benchmarks/fsdp.py --kernels fused --rounds 4 "
+    "--steps 5 --strategies 'one GPU alone' 'FSDP bf16' 'FSDP bf16, 2 blocks per gather' 'torch "
+    "FSDP2 bf16'; the same with --rounds 2 --checkpointing on; with --rounds 2 --steps 4 "
+    "--batch-size 12; with --rounds 2 --strategies FSDP 'torch FSDP2'"
 )
 
 # The two llmsys-bench llama runs behind h200-llama-training.csv (each side by side).
@@ -260,26 +252,17 @@ TABLES = {
     "ddp-fsdp": Table(
         "ddp",
         "h200-2gpu-fsdp.csv",
-        ("one GPU alone", "FSDP bf16", "FSDP bf16, 2 blocks per gather", "torch FSDP2 bf16"),
-        (("kernel", ("transformer_lm/sharded_training",)),),
-        ours="FSDP bf16",
-        command=FSDP_COMMAND,
-    ),
-    "ddp-fsdp-blocks": Table(
-        "ddp",
-        "h200-2gpu-fsdp-blocks.csv",
         (
             "one GPU alone",
             "FSDP bf16",
-            "torch FSDP2 bf16",
             "FSDP bf16, 2 blocks per gather",
-            "torch FSDP2 bf16, 2 blocks per gather",
+            "torch FSDP2 bf16",
             "FSDP",
             "torch FSDP2",
         ),
         (("kernel", ("transformer_lm/sharded_training",)),),
-        ours="FSDP bf16, 2 blocks per gather",
-        command=FSDP_BLOCKS_COMMAND,
+        ours="FSDP bf16",
+        command=FSDP_COMMAND,
     ),
     "ddp-largest": Table(
         "ddp",
