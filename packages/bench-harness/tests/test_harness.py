@@ -1,5 +1,6 @@
 """The shared benchmark harness: CSV schema, device names, CPU timing."""
 
+import pytest
 import torch
 
 import llmsys.bench_harness as harness
@@ -32,6 +33,11 @@ def test_cpu_timer_orders_quantiles():
     x = torch.randn(256, 256)
     p20, p50, p80 = harness.time_ms(lambda: x @ x, device="cpu", rep_ms=20)
     assert 0 < p20 <= p50 <= p80
+
+
+def test_flush_by_is_write_or_read():
+    with pytest.raises(ValueError, match="flush_by must be 'write' or 'read', got 'clean'"):
+        harness.time_ms(lambda: None, device="cpu", flush_by="clean")
 
 
 def test_report_table_says_how_many_rows_only_the_csv_has():

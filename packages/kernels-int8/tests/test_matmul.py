@@ -197,6 +197,7 @@ def candidates_for(m: int, n: int, k: int) -> list[tuning.MatmulConfig]:
         tuning.MatmulConfig(16, 64, 32, split_k=4, num_warps=4, num_stages=2),
         tuning.MatmulConfig(64, 32, 64, num_warps=4, num_stages=2, tma=True),
         tuning.MatmulConfig(32, 64, 32, num_warps=4, num_stages=2, tma=True, tma_store=True),
+        tuning.MatmulConfig(16, 64, 32, num_warps=4, num_stages=2, tma=True, swap_ab=True),
     ]
     return [*found, *extra]
 
@@ -237,6 +238,15 @@ def test_tma_needs_aligned_k_and_layouts(device):
     assert not ops.tma_applies(tma, a, b.contiguous(), out)  # row-major b
     assert not ops.tma_applies(tma, a, b, torch.empty(72, 300, device=device).t())
     assert ops.tma_applies(tma.__class__(128, 256, 128), a_odd, b_odd, out)  # plain: always
+
+
+def test_swap_ab_is_a_tma_load_config_only():
+    for bad in ({}, {"tma": True, "tma_store": True}):
+        with pytest.raises(ValueError, match="swap_ab needs tma=True and tma_store=False"):
+            tuning.MatmulConfig(16, 64, 256, swap_ab=True, **bad)
+    decode = tuning.matmul_candidates(1, 14336, 4096)
+    assert decode[0].swap_ab and decode[0].tma  # first: used without timing (graph capture)
+    assert any(not c.tma for c in decode)  # the fallback where TMA does not apply
 
 
 def test_candidates_cover_split_k_for_small_m_only():

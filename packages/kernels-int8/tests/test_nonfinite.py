@@ -106,8 +106,9 @@ def test_matmul_quantize_nonfinite_row_gives_nan_outputs(
         tuning.MatmulConfig(16, 64, 32, split_k=4, num_warps=4, num_stages=2),
         tuning.MatmulConfig(64, 32, 64, num_warps=4, num_stages=2, tma=True),
         tuning.MatmulConfig(32, 64, 32, num_warps=4, num_stages=2, tma=True, tma_store=True),
+        tuning.MatmulConfig(16, 64, 32, num_warps=4, num_stages=2, tma=True, swap_ab=True),
     ],
-    ids=["pointer", "split-k", "tma", "tma-store"],
+    ids=["pointer", "split-k", "tma", "tma-store", "tma-swap"],
 )
 def test_every_gemm_path_spreads_a_nan_scale_over_its_row(config, monkeypatch, device):
     m, n, k = 40, 64, 128

@@ -63,18 +63,25 @@ def time_ms(
     grad_to_none: Iterable[torch.Tensor] | None = None,
     rep_ms: int = 100,
     flush_bytes: int | None = None,
+    flush_by: str = "write",
 ) -> tuple[float, float, float]:
     """(p20, p50, p80) of one call of ``fn`` in milliseconds.
 
     On CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, warm-up first),
-    or with ``flush_bytes`` a write of that many bytes before every call instead of do_bench's
-    256 MB. A larger flush keeps the GPU busy while the host enqueues the call (1 GiB: about
-    0.35 ms on an H100), so up to that much host cost per call stays out of the time.
+    or with ``flush_bytes`` a flush of that many bytes before every call instead of do_bench's
+    256 MB write. A larger flush keeps the GPU busy while the host enqueues the call (1 GiB:
+    about 0.35 ms on an H100), so up to that much host cost per call stays out of the time.
+    ``flush_by`` is how: "write" (as do_bench) leaves L2 full of dirty lines, whose write-back
+    the timed call then pays as it reads; "read" leaves it holding clean, useless lines, the
+    state a layer of a model meets after the layer before read its weights. A memory-bound
+    call reading tens of MB is 10-20% slower after a write (the decode GEMM on an H100).
     On CPU: wall clock over repeated calls after a warm-up, for smoke runs only (no flush).
     """
+    if flush_by not in ("write", "read"):
+        raise ValueError(f"flush_by must be 'write' or 'read', got {flush_by!r}")
     if torch.device(device).type == "cuda":
         if flush_bytes is not None:
-            return _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes)
+            return _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes, flush_by)
         import triton.testing
 
         p20, p50, p80 = triton.testing.do_bench(
@@ -102,9 +109,10 @@ def _quantiles(samples: list[float]) -> tuple[float, float, float]:
     return q[1], statistics.median(samples), q[7]
 
 
-def _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes):
-    """CUDA events around each call, with ``flush_bytes`` written before it."""
-    flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device=device)
+def _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes, flush_by):
+    """CUDA events around each call, with ``flush_bytes`` written or read before it."""
+    flush = torch.zeros(flush_bytes // 4, dtype=torch.int32, device=device)
+    total = torch.empty((), dtype=torch.int32, device=device)
     fn()  # warm-up: compile, tune
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,7 +128,10 @@ def _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes):
     ]
     for begin, finish in pairs:
         _clear_grads(grad_to_none)
-        flush.zero_()
+        if flush_by == "write":
+            flush.zero_()
+        else:
+            torch.sum(flush, dim=0, out=total)
         begin.record()
         fn()
         finish.record()

@@ -271,11 +271,14 @@ def perrow_w8a8_matmul_tma_kernel(
     GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     TMA_STORE: tl.constexpr,  # store through c_desc in two halves, else masked pointer stores
+    SWAP_AB: tl.constexpr = False,  # compute C.T = B.T @ A.T (decode: M too small for wgmma)
 ):
-    """The prefill GEMM: the same product and epilogue, persistent and fed by TMA.
+    """The prefill GEMM, and the decode one with ``SWAP_AB``: the same product and epilogue,
+    persistent and fed by TMA.
 
         for tile in program_id, program_id + num_programs, ... (one loop, flattened):
             for k: acc += dot(TMA-load A[m, k], TMA-load B.T[n, k].T)   int32
+                   (SWAP_AB: acc.T += dot(B.T[n, k], A[m, k].T))
             C[m, n] = cast(float(acc) * a_scale[m] * b_scale[n] (+ bias[n]))
 
     The copy engine loads whole tiles into shared memory (zero-filling past M, N and K), which
@@ -283,17 +286,29 @@ def perrow_w8a8_matmul_tma_kernel(
     in a loop the compiler flattens lets the next tile's loads start during this tile's
     epilogue. Both were measured on an H100 (DECISIONS.md). K must be a multiple of 16 (the
     descriptor's row stride), and one tile's K sum must stay int32-exact (K <= 131071).
+
+    At decode (M <= 16) the wide side is N: with ``SWAP_AB`` the weight tile is the MMA's left
+    operand (BLOCK_N rows, as Hopper's warp-group MMA wants 64) and the few activation rows its
+    right one, so the weights stream through the copy engine into the warp-group MMA.
     """
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     for tile_id in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
         pid_m, pid_n = _tile_coordinates(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-        for k in range(0, K, BLOCK_K):
-            a = a_desc.load([pid_m * BLOCK_M, k])  # (BLOCK_M, BLOCK_K)
-            b = b_desc.load([pid_n * BLOCK_N, k])  # (BLOCK_N, BLOCK_K)
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+        if SWAP_AB:
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+            for k in range(0, K, BLOCK_K):
+                a = a_desc.load([pid_m * BLOCK_M, k])  # (BLOCK_M, BLOCK_K)
+                b = b_desc.load([pid_n * BLOCK_N, k])  # (BLOCK_N, BLOCK_K)
+                acc_t = tl.dot(b, a.T, acc_t, out_dtype=tl.int32)
+            acc = acc_t.T  # (BLOCK_M, BLOCK_N)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            for k in range(0, K, BLOCK_K):
+                a = a_desc.load([pid_m * BLOCK_M, k])  # (BLOCK_M, BLOCK_K)
+                b = b_desc.load([pid_n * BLOCK_N, k])  # (BLOCK_N, BLOCK_K)
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
         if TMA_STORE:
             # Two (BLOCK_M, BLOCK_N / 2) halves: half the shared memory for staging the store.

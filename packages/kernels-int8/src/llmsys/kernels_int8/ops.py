@@ -300,6 +300,7 @@ def _launch_tma(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) 
             "GROUP_M": config.group_m,
             "HAS_BIAS": bias is not None,
             "TMA_STORE": config.tma_store,
+            "SWAP_AB": config.swap_ab,
         },
         config.num_warps,
         config.num_stages,

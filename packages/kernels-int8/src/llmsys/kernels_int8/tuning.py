@@ -28,7 +28,8 @@ class MatmulConfig:
     """One launch of the GEMM: tile shape, split-K, launch order, pipelining, and kernel.
 
     ``tma`` picks ``perrow_w8a8_matmul_tma_kernel`` (persistent, TMA loads; no split-K), with
-    ``tma_store`` its TMA-store epilogue; otherwise ``perrow_w8a8_matmul_kernel``.
+    ``tma_store`` its TMA-store epilogue and ``swap_ab`` its decode form (the weight tile on the
+    MMA's wide side); otherwise ``perrow_w8a8_matmul_kernel``.
     """
 
     block_m: int
@@ -40,9 +41,15 @@ class MatmulConfig:
     num_stages: int = 3
     tma: bool = False
     tma_store: bool = False
+    swap_ab: bool = False
+
+    def __post_init__(self) -> None:
+        if self.swap_ab and (not self.tma or self.tma_store):
+            raise ValueError("swap_ab needs tma=True and tma_store=False")
 
     def __str__(self) -> str:
         kernel = ("tma-store " if self.tma_store else "tma ") if self.tma else ""
+        kernel += "swap " if self.swap_ab else ""
         return (
             f"{kernel}{self.block_m}x{self.block_n}x{self.block_k} split{self.split_k} "
             f"g{self.group_m} w{self.num_warps} s{self.num_stages}"
@@ -88,8 +95,18 @@ def matmul_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
             MatmulConfig(128, 256, 128, num_warps=8, num_stages=3),
         ]
     block_m = bucket
-    configs = []
-    for block_n, block_k, stages in ((32, 256, 5), (64, 256, 4), (64, 128, 5)):
+    # The weights through TMA into the warp-group MMA (swap_ab) stream fastest: 128-wide weight
+    # tiles where N gives the SMs enough of them, 64-wide ones below (DECISIONS.md).
+    wide = (128, 4) if n >= 8192 else (64, 6)
+    narrow = (64, 3) if n >= 8192 else (128, 6)
+    configs = [
+        MatmulConfig(block_m, block_n, 256, num_warps=4, num_stages=stages, tma=True, swap_ab=True)
+        for block_n, stages in (wide, narrow)
+    ]
+    pointer_tiles = [(32, 256, 5), (64, 256, 4), (64, 128, 5)]
+    if n < 8192:  # the best of the grid at N 4096, M 8 and 16 (results/decode_gemm_h100.csv)
+        pointer_tiles.append((32, 512, 4))
+    for block_n, block_k, stages in pointer_tiles:
         tiles = cdiv(m, block_m) * cdiv(n, block_n)
         for split_k in dict.fromkeys((1, _split_to_fill(tiles, k, block_k))):
             configs.append(
