@@ -245,8 +245,7 @@ def test_swap_ab_is_a_tma_load_config_only():
         with pytest.raises(ValueError, match="swap_ab needs tma=True and tma_store=False"):
             tuning.MatmulConfig(16, 64, 256, swap_ab=True, **bad)
     decode = tuning.matmul_candidates(1, 14336, 4096)
-    assert decode[0].swap_ab and decode[0].tma  # first: used without timing (graph capture)
-    assert any(not c.tma for c in decode)  # the fallback where TMA does not apply
+    assert not any(c.tma for c in decode)  # the pointer kernel: its launch costs less host time
 
 
 def test_candidates_cover_split_k_for_small_m_only():

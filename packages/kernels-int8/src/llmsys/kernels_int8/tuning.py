@@ -95,15 +95,12 @@ def matmul_candidates(m: int, n: int, k: int) -> list[MatmulConfig]:
             MatmulConfig(128, 256, 128, num_warps=8, num_stages=3),
         ]
     block_m = bucket
-    # The weights through TMA into the warp-group MMA (swap_ab) stream fastest: 128-wide weight
-    # tiles where N gives the SMs enough of them, 64-wide ones below (DECISIONS.md).
-    wide = (128, 4) if n >= 8192 else (64, 6)
-    narrow = (64, 3) if n >= 8192 else (128, 6)
-    configs = [
-        MatmulConfig(block_m, block_n, 256, num_warps=4, num_stages=stages, tma=True, swap_ab=True)
-        for block_n, stages in (wide, narrow)
-    ]
-    pointer_tiles = [(32, 256, 5), (64, 256, 4), (64, 128, 5)]
+    configs = []
+    # The pointer kernel only: the TMA kernel with the product swapped (swap_ab) streams the
+    # weights faster on the GPU, but each launch costs the host 30.5 us against 11.8 on an
+    # H100 host, which made the 8B model's eager decode step 27% slower and its CUDA-graph step
+    # no faster (DECISIONS.md).
+    pointer_tiles = [(32, 256, 5), (64, 256, 4), (64, 128, 5), (64, 512, 6)]
     if n < 8192:  # the best of the grid at N 4096, M 8 and 16 (results/decode_gemm_h100.csv)
         pointer_tiles.append((32, 512, 4))
     for block_n, block_k, stages in pointer_tiles:
