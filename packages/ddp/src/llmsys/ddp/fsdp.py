@@ -232,18 +232,23 @@ class FSDP(DataParallel):
                 self._group_units.setdefault(self._group_of[unit], []).append(unit)
         for unit, (site, attributes) in enumerate(self._units):
             # The first of a unit's modules to run makes the whole unit's weights full; the
-            # unit's own forward hook drops them. (Each owner's pre-hook is one dict lookup
-            # once its unit is active: a checkpoint recomputing one owner in backward, outside
-            # its block's forward, still finds its weights.)
+            # unit's own forward hook drops them, also when its forward raises (a checkpoint's
+            # recomputation stops that way). Each owner's pre-hook is one dict lookup once its
+            # unit is active: a checkpoint recomputing one owner in backward, outside its
+            # block's forward, still finds its weights.
+            site.register_forward_pre_hook(lambda m, args, u=unit: self._running.add(u))
             for owner in dict.fromkeys(owner for owner, _, _ in attributes):
                 owner.register_forward_pre_hook(lambda m, args, u=unit: self._enter(u))
-            site.register_forward_hook(lambda m, args, out, u=unit: self._after(u))
+            site.register_forward_hook(
+                lambda m, args, out, u=unit: self._leave(u), always_call=True
+            )
         self._order: list[int] = []  # units with sharded weights, in the last forward's order
         self._position = 0  # how many of them ran in this forward
         self._prefetched: dict[int, list[_Use]] = {}
         self._finished: set[int] = set()  # units whose gradients arrived in this backward
         # unit -> (its uses, whether autograd records them) while its forward runs
         self._active: dict[int, tuple[list[_Use], bool]] = {}
+        self._running: set[int] = set()  # units whose own module's forward is running
         self._live: dict[int, _Use] = {}  # storage address of a full weight in forward -> use
         self._last_use: _Use | None = None
         self._pending: list[tuple[_Use, torch.Tensor]] = []  # a block's full gradients so far
@@ -257,6 +262,9 @@ class FSDP(DataParallel):
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         self._position, self._last_use = 0, None
         self._finished.clear()
+        # Full weights left by a block's module called on its own since the last forward may
+        # predate an optimizer step: gather afresh.
+        self._drop_prefetched()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
@@ -402,7 +410,18 @@ class FSDP(DataParallel):
             # connect the weights to autograd.
             self._install(unit, recorded[0])
 
+    def _leave(self, unit: int) -> None:
+        self._running.discard(unit)
+        self._after(unit)
+
     def _before(self, unit: int) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            # Recomputing in backward: a unit an earlier recomputation left full (part of a
+            # block recomputed outside the block's forward, whose hook never ran; frozen
+            # weights get no gradient to release them) is done with: autograd keeps what it
+            # saved of it. A unit whose module is still running keeps its weights.
+            for other in [u for u in self._active if u != unit and u not in self._running]:
+                self._after(other)
         uses: list[_Use] = []
         if self._sharded_of[unit]:
             uses = self._prefetched.pop(unit, None)
@@ -530,6 +549,7 @@ class FSDP(DataParallel):
         for unit in list(self._active):
             self._after(unit)
         self._live.clear()
+        self._running.clear()
 
     # -- what autograd saves ----------------------------------------------------------------
 
@@ -539,7 +559,7 @@ class FSDP(DataParallel):
                 use = self._live.get(tensor.untyped_storage().data_ptr())
             except (NotImplementedError, RuntimeError):  # sparse: no single storage
                 return tensor
-            if use is not None:
+            if use is not None and use.full is not None:
                 use.saved = True
                 return _SavedWeight(use, tensor)
         return tensor
@@ -568,12 +588,14 @@ class FSDP(DataParallel):
     def _gradient_arrived(self, use: _Use, grad_full: torch.Tensor) -> None:
         """A full weight's gradient: free the full weight and queue the gradient; the weights
         gathered together (a block's) are reduce-scattered together, asynchronously."""
-        use.full, use.saved = None, False
         self._finished.add(use.unit)
         if use.unit in self._active:
-            # Checkpointing recomputes a segment only up to the last tensor backward needs and
-            # stops mid-layer, so that layer's forward hook never ran: release it here.
+            # A recomputation of part of a block, outside the block's forward, never ran the
+            # block's forward hook: release it here.
             self._after(use.unit)
+        if use.full is not None:  # (a use of the forward, not of the recomputation)
+            self._live.pop(use.full.untyped_storage().data_ptr(), None)
+        use.full, use.saved = None, False
         if self._pending and self._pending[0][0].cohort is not use.cohort:
             self._reduce_pending()
         self._pending.append((use, grad_full))
