@@ -1,0 +1,109 @@
+"""Greedy generation over a static KV cache, each decode step replayed from one CUDA graph.
+
+    tokens = generate(model, input_ids, max_new_tokens=64)
+
+One prefill of the prompt fills a ``transformers.StaticCache``. Each new token is then one
+decode step, the same call every time: it reads the token before from a fixed buffer, writes
+its own there and advances the positions in place. That is what lets one CUDA graph of the step
+replay it, with no Python between tokens. The model may be as transformers builds it, or
+rewritten by ``apply_llmsys`` or by kernels-int8's ``quantize_model``: one harness serves fp16
+and int8.
+"""
+
+from __future__ import annotations
+
+import inspect
+from numbers import Integral
+
+import torch
+from torch import nn
+
+
+def generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    cuda_graph: bool | None = None,
+) -> torch.Tensor:
+    """``input_ids`` followed by ``max_new_tokens`` greedily chosen tokens, shape
+    (batch, prompt + max_new_tokens).
+
+    Args:
+        model: a transformers causal LM (``model(ids, ...).logits``) on ``input_ids``' device,
+            with an attention that takes a mask (the static cache's unfilled slots need one):
+            after ``apply_llmsys``, ``model.set_attn_implementation("sdpa")`` first, or its
+            FlashAttention refuses the cache with a ``ValueError``.
+        input_ids: (batch, prompt) integer token ids, every row the same length (no padding).
+        max_new_tokens: how many tokens to add, at least 1. Every row gets that many: there is
+            no stop at an end-of-sequence token (cut the rows afterwards).
+        cuda_graph: replay the decode step from a CUDA graph (default: on a CUDA device). The
+            first step runs eagerly, which also warms up what the capture needs.
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids must be (batch, prompt) with both sizes > 0, got {tuple(input_ids.shape)}"
+        )
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must hold int64 or int32 token ids, got {input_ids.dtype}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    on_cuda = input_ids.device.type == "cuda"
+    if cuda_graph is None:
+        cuda_graph = on_cuda
+    if cuda_graph and not on_cuda:
+        raise ValueError(
+            f"cuda_graph=True needs input_ids on a CUDA device, got {input_ids.device}"
+        )
+
+    from transformers import StaticCache
+
+    batch, prompt = input_ids.shape
+    ids = input_ids.long()
+    cache = StaticCache(config=model.config, max_cache_len=prompt + int(max_new_tokens))
+    call = _caller(model, cache)
+    with torch.no_grad():
+        positions = torch.arange(prompt, device=ids.device).expand(batch, prompt)
+        logits = call(ids, positions, logits_to_keep=1)
+        token = logits[:, -1].argmax(dim=-1, keepdim=True)  # (batch, 1): the step's buffers
+        position = torch.full((batch, 1), prompt, dtype=torch.long, device=ids.device)
+
+        def step() -> None:
+            token.copy_(call(token, position)[:, -1].argmax(dim=-1, keepdim=True))
+            position.add_(1)
+
+        new = [token.clone()]
+        if max_new_tokens > 1:
+            step()
+            new.append(token.clone())
+        run = step
+        if cuda_graph and max_new_tokens > 2:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):  # recorded, not run: the state does not advance
+                step()
+            run = graph.replay
+        for _ in range(max_new_tokens - 2):
+            run()
+            new.append(token.clone())
+    return torch.cat([ids, *new], dim=1).to(input_ids.dtype)
+
+
+def _caller(model: nn.Module, cache):
+    """``call(ids, positions, **extra) -> logits`` through ``cache``, under the keywords this
+    transformers version takes: ``cache`` or ``past_key_values``, and ``cache_position`` where
+    the model still has it (positions from the cache's length would cost a host sync)."""
+    parameters = inspect.signature(model.forward).parameters
+    key = "cache" if "cache" in parameters else "past_key_values"
+    with_cache_position = "cache_position" in parameters
+
+    def call(ids: torch.Tensor, positions: torch.Tensor, **extra) -> torch.Tensor:
+        if with_cache_position:
+            extra["cache_position"] = positions[0]
+        out = model(ids, position_ids=positions, use_cache=True, **{key: cache}, **extra)
+        return out.logits
+
+    return call

@@ -1,0 +1,86 @@
+"""generate(): greedy tokens over a static cache, against transformers' own generate."""
+
+import copy
+
+import pytest
+import torch
+
+from llmsys.hf import apply_llmsys, generate
+
+transformers = pytest.importorskip("transformers")
+
+from test_apply import FAMILIES, build  # noqa: E402  (the tiny models of the apply tests)
+
+
+def prompt(batch: int = 3, length: int = 5) -> torch.Tensor:
+    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(2))
+
+
+def greedy(model, ids: torch.Tensor, new: int) -> torch.Tensor:
+    return model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+
+@pytest.mark.parametrize("new", [1, 2, 7])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tokens_match_transformers_generate(family, new):
+    model = build(family).eval()
+    ids = prompt()
+    ours = generate(model, ids, new)
+    assert ours.shape == (3, 5 + new) and ours.dtype == ids.dtype
+    assert torch.equal(ours, greedy(model, ids, new))
+
+
+def test_a_model_with_llmsys_kernels_generates_what_the_stock_model_does():
+    """llmsys' FlashAttention takes no mask, so it refuses the static cache's unfilled slots
+    by name; with SDPA attention the other llmsys kernels generate the stock tokens."""
+    stock = build("llama").eval()
+    ours = copy.deepcopy(stock)
+    apply_llmsys(ours)
+    ids = prompt(2, 6)
+    with pytest.raises(ValueError, match="static KV cache"):
+        generate(ours, ids, 5)
+    ours.set_attn_implementation("sdpa")
+    assert torch.equal(generate(ours, ids, 5), greedy(stock, ids, 5))
+
+
+def test_bad_arguments_are_named():
+    model = build("llama").eval()
+    ids = prompt()
+    with pytest.raises(TypeError, match=r"input_ids must be a torch\.Tensor, got list"):
+        generate(model, ids.tolist(), 2)
+    with pytest.raises(ValueError, match=r"input_ids must be \(batch, prompt\).*got \(5,\)"):
+        generate(model, ids[0], 2)
+    with pytest.raises(ValueError, match=r"got \(3, 0\)"):
+        generate(model, ids[:, :0], 2)
+    with pytest.raises(TypeError, match=r"int64 or int32 token ids, got torch\.float32"):
+        generate(model, ids.float(), 2)
+    with pytest.raises(TypeError, match="max_new_tokens must be an int, got bool"):
+        generate(model, ids, True)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        generate(model, ids, 0)
+    with pytest.raises(ValueError, match="cuda_graph=True needs input_ids on a CUDA device"):
+        generate(model, ids, 2, cuda_graph=True)
+    before = ids.clone()
+    generate(model, ids, 2)
+    assert torch.equal(ids, before)  # the caller's prompt is not written
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernels", ["stock", "llmsys"])
+def test_cuda_graph_replay_generates_what_eager_steps_do(kernels):
+    model = build("llama").half().cuda().eval()
+    if kernels == "llmsys":
+        apply_llmsys(model)
+        model.set_attn_implementation("sdpa")  # llmsys_fa2 takes no mask: no static cache
+    ids = prompt(4, 7).cuda()
+    eager = generate(model, ids, 12, cuda_graph=False)
+    assert torch.equal(generate(model, ids, 12, cuda_graph=True), eager)
+    assert torch.equal(eager, greedy(model, ids, 12))
