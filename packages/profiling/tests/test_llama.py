@@ -94,3 +94,27 @@ def test_the_readme_example_all_three_kernels_in_one_model():
         tokens = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert llama.relative_error(got, want) < 0.1  # W8A8's error, not a broken model
     assert tokens.shape == (2, 15) and torch.equal(tokens[:, :12], ids)
+
+
+def test_generate_serves_an_int8_model_as_transformers_generate_does():
+    """llmsys.hf.generate over a static cache on a model quantized by quantize_model (the
+    kernels under Triton's interpreter on CPU): the tokens transformers' greedy generate gives."""
+    import torch
+    import transformers
+
+    from llmsys.hf import generate
+    from llmsys.kernels_int8 import quantize_model
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=97, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    quantize_model(model)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(1))
+    want = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+        do_sample=False, pad_token_id=0,
+    )  # fmt: skip
+    assert torch.equal(generate(model, ids, 4), want)
