@@ -9,7 +9,22 @@ from llmsys.hf import apply_llmsys, generate
 
 transformers = pytest.importorskip("transformers")
 
-from test_apply import FAMILIES, build  # noqa: E402  (the tiny models of the apply tests)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+
+
+def build(family: str) -> torch.nn.Module:
+    """A tiny model of ``family`` with random weights and SDPA attention."""
+    config_class, model_class = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_class(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=97, attn_implementation="sdpa",
+    )  # fmt: skip
+    return model_class(config)
 
 
 def prompt(batch: int = 3, length: int = 5) -> torch.Tensor:
