@@ -1,80 +1,165 @@
-"""Where a compiled Hugging Face Llama train step's GPU time goes, kernel by kernel.
+"""Where a Hugging Face Llama step's GPU time goes, kernel by kernel.
 
-The 0.85B Llama of ``llmsys-bench llama`` at 4 x 2048 tokens, bf16 autocast, fused AdamW, the loss
-from ``labels=``, with a provider's kernels (stock, llmsys or liger), under ``torch.compile``:
-three steps under the PyTorch profiler, their kernels summed by category (cuBLAS GEMMs, attention,
-optimizer, llmsys kernels, inductor's kernels, copies) and the longest kernels listed, beside the
-step time from CUDA events. Needs a CUDA GPU and transformers.
+A train step (``--case train``, the default): the 0.85B Llama of ``llmsys-bench llama`` at
+4 x 2048 tokens, bf16 autocast, fused AdamW, the loss from ``labels=``, with a training
+provider's kernels (stock, llmsys or liger), under ``torch.compile``.
+
+A serving step (``--case decode`` or ``prefill``): ``llmsys-bench serve``'s model (``--model``,
+default 8b) with a serving provider (fp16, int8-fused, torchao-int8, torchao-float8), eagerly or
+with compiled decoder layers (``--compiled``): one decode step of ``--batch`` sequences over a
+static cache of ``--context`` tokens, or one prefill of ``--batch`` x ``--tokens``. Beside the
+eager step time it gives the step's time replayed from a CUDA graph, which has no host gaps.
+
+Three steps run under the PyTorch profiler; their kernels are summed by category (cuBLAS GEMMs,
+attention, optimizer, llmsys kernels, inductor's kernels, copies) and the longest kernels listed,
+with their launches per step. Needs a CUDA GPU and transformers.
 
     python packages/profiling/benchmarks/llama_step_profile.py --provider llmsys
+    python packages/profiling/benchmarks/llama_step_profile.py --case decode --provider int8-fused
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import re
+from collections.abc import Callable
 
 import torch
 
-from llmsys.profiling.llama import LLAMA, TRAIN_PROVIDERS, build_llama, kernels_of, train_step
+from llmsys.profiling import serve
+from llmsys.profiling.llama import (
+    LLAMA,
+    TRAIN_PROVIDERS,
+    build_llama,
+    cuda_graph,
+    kernels_of,
+    train_step,
+)
 from llmsys.profiling.training import make_optimizer
 
 CATEGORIES = (  # (name, kernel-name pattern); the first match wins
     # attention first: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
     ("attention", r"flash|attn|fmha|attention"),
-    ("gemm (cuBLAS/CUTLASS)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas|splitK"),
+    ("gemm (cuBLAS/CUTLASS)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas|splitK|gemv"),
     ("optimizer", r"adam|multi_tensor|foreach"),
+    ("llmsys int8", r"int8|quantize"),
     ("llmsys fused", r"rms_norm|rotary|cross_entropy_rows|swiglu"),
     ("inductor triton", r"^triton_"),
     ("copies/elementwise", r"elementwise|copy|fill|reduce|vectorized|unrolled|Memcpy|Memset|cat"),
 )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--provider", choices=TRAIN_PROVIDERS, default="llmsys")
-    parser.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
-    args = parser.parse_args()
-    master = build_llama(LLAMA, "cpu", torch.float32).train()
-    data = torch.randint(0, LLAMA["vocab_size"], (4, 2048), device="cuda")
-    with kernels_of(args.provider, copy.deepcopy(master).cuda()) as model:
-        call = torch.compile(model)
-        optimizer = make_optimizer(model)
-        for _ in range(4):  # compile and warm up
-            train_step(call, optimizer, data, "cuda")
+def events_ms(fn: Callable[[], object], calls: int) -> float:
+    """Milliseconds per call of ``calls`` back-to-back calls, CUDA events around them all."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def report(label: str, fn: Callable[[], object], steps: int, graph_ms: float | None) -> None:
+    """Profile ``steps`` calls of ``fn`` (warmed up) and print where their GPU time goes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.steps):
-                train_step(call, optimizer, data, "cuda")
-            torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.steps):
-            train_step(call, optimizer, data, "cuda")
-        end.record()
-        torch.cuda.synchronize()
-    step_ms = start.elapsed_time(end) / args.steps
+    step_ms = events_ms(fn, steps)
     per_kernel, calls = collections.Counter(), collections.Counter()
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name] += event.device_time_total / 1e3 / args.steps
+            per_kernel[event.name] += event.device_time_total / 1e3 / steps
             calls[event.name] += 1
     per_category = collections.Counter()
     for name, ms in per_kernel.items():
         category = next((c for c, rx in CATEGORIES if re.search(rx, name, re.I)), "other")
         per_category[category] += ms
     busy = sum(per_kernel.values())
+    graph = f"; as a CUDA graph {graph_ms:.2f} ms" if graph_ms else ""
     print(
-        f"{args.provider} compiled: step {step_ms:.1f} ms (CUDA events), GPU kernel time "
-        f"{busy:.1f} ms/step, idle {step_ms - busy:.1f} ms"
+        f"{label}: step {step_ms:.2f} ms (CUDA events){graph}; GPU kernel time {busy:.2f} "
+        f"ms/step in {sum(calls.values()) // steps} kernels, idle {step_ms - busy:.2f} ms"
     )
     for category, ms in per_category.most_common():
-        print(f"  {category:24s} {ms:7.2f} ms  {100 * ms / step_ms:5.1f}%")
+        print(f"  {category:24s} {ms:7.3f} ms  {100 * ms / step_ms:5.1f}%")
     print("top kernels:")
-    for name, ms in per_kernel.most_common(18):
-        print(f"  {ms:7.2f} ms  {calls[name] // args.steps:4d}/step  {name[:110]}")
+    for name, ms in per_kernel.most_common(24):
+        print(f"  {ms:7.3f} ms  {calls[name] // steps:4d}/step  {name[:110]}")
+
+
+def train(args) -> None:
+    master = build_llama(LLAMA, "cpu", torch.float32).train()
+    data = torch.randint(0, LLAMA["vocab_size"], (4, 2048), device="cuda")
+    with kernels_of(args.provider, copy.deepcopy(master).cuda()) as model:
+        call = torch.compile(model)
+        optimizer = make_optimizer(model)
+
+        def step():
+            train_step(call, optimizer, data, "cuda")
+
+        for _ in range(4):  # compile and warm up
+            step()
+        torch.cuda.synchronize()
+        report(f"{args.provider} compiled", step, args.steps, None)
+
+
+def serving(args) -> None:
+    fp16 = build_llama(serve.MODELS[args.model], "cuda", torch.float16).eval()
+    model = serve.quantized(args.provider, fp16)
+    vocab = model.config.vocab_size
+    compiled = serve.compiled_layers(model) if args.compiled else contextlib.nullcontext()
+    with torch.no_grad(), compiled:
+        for batch in args.batch:
+            if args.case == "prefill":
+                ids = torch.randint(0, vocab, (batch, args.tokens), device="cuda")
+
+                def step(ids=ids):
+                    return model(ids, use_cache=False, logits_to_keep=1)
+
+                size = f"{batch}x{args.tokens}"
+            else:
+                step = serve.decode_step(model, batch, args.context, room=16 + 3 * args.steps)
+                size = f"batch {batch}, context {args.context}"
+            for _ in range(3):
+                step()
+            graph_ms = events_ms(cuda_graph(step), args.steps)
+            mode = "compiled layers" if args.compiled else "eager"
+            label = f"{args.model} {args.case} {size}, {args.provider}, {mode}"
+            report(label, step, args.steps, graph_ms)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", choices=("train", "prefill", "decode"), default="train")
+    parser.add_argument(
+        "--provider",
+        choices=(*TRAIN_PROVIDERS, *serve.PROVIDERS),
+        default=None,
+        help="train: stock, llmsys or liger (default llmsys); prefill and decode: fp16, "
+        "int8-fused, torchao-int8 or torchao-float8 (default int8-fused)",
+    )
+    parser.add_argument("--model", choices=serve.MODELS, default="8b", help="serving model")
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=[8], help="serving batches (default 8)"
+    )
+    parser.add_argument("--tokens", type=int, default=512, help="prefill tokens (default 512)")
+    parser.add_argument("--context", type=int, default=1024, help="decode context (default 1024)")
+    parser.add_argument("--compiled", action="store_true", help="serving: compile the layers")
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
+    args = parser.parse_args()
+    training = args.case == "train"
+    args.provider = args.provider or ("llmsys" if training else "int8-fused")
+    if (args.provider in TRAIN_PROVIDERS) != training:
+        parser.error(f"--provider {args.provider} does not serve --case {args.case}")
+    if training:
+        train(args)
+    else:
+        serving(args)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ On a GPU, the default runs the case the README tables quote (medium at context 1
 bf16 autocast, train step: eager / compiled / llmsys presets and compiled with CUDA graphs) and
 the precision tables, a few minutes; ``--full`` adds the warm-up effect (first, in a cold
 process), xl with llmsys, the memory table of the small model, three profiles, the attention
-sweep at d 64 and 128, the Hugging Face Llama (about 4 minutes), the other compile modes, every
-size at contexts 128 to 1024 for every preset, the medium model's memory table and the whole
-attention grid (d 16 to 128, seq 256 to 16384). On a CPU: the tiny model, each subcommand once.
-Traces, snapshots and the memory timeline go to ``results/<gpu>-artifacts/`` (not committed).
+sweep at d 64 and 128, the Hugging Face Llama (about 4 minutes), the 8B Llama served (about 15),
+the other compile modes, every size at contexts 128 to 1024 for every preset, the medium model's
+memory table and the whole attention grid (d 16 to 128, seq 256 to 16384). On a CPU: the tiny
+model, each subcommand once. Traces, snapshots and the memory timeline go to
+``results/<gpu>-artifacts/`` (not committed).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
             ["attention", "--head-dim", "16", "--seq-len", "32", "--passes", "2"],
             ["precision"],
             ["llama", "--quick", "--warmup", "0", "--reps", "1"],
-        ]
+            ["serve", "--quick", "--warmup", "0", "--reps", "1", "--providers", "fp16",
+             "int8-fused", "--generate"],
+        ]  # fmt: skip
     presets = ["--preset", "eager", "compiled", "llmsys"]
     target = ["--context-length", "1024", "--batch-size", "4", "--dtype", "bf16"]
     # The default run (the main job's ten minutes): the target case of the README tables.
@@ -58,6 +61,7 @@ def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
         ["profile", "--size", "medium", *target, "--preset", "compiled", "llmsys"],
         ["attention", "--head-dim", "64", "128", "--seq-len", "1024", "4096", "16384"],
         ["llama"],  # the 0.85B Hugging Face Llama: int8 inference, training (about 4 min)
+        ["serve", "--model", "8b"],  # Llama-3.1-8B's shape served (about 15 min: compiles)
     ]  # fmt: skip
     sizes = ["small", "medium", "large", "xl", "2.7B"]
     contexts = ["128", "256", "512", "1024"]
@@ -100,6 +104,8 @@ SECTIONS = [
     ("Attention (batch 8, one head, causal)", lambda r: r.kernel == "attention"),
     ("Precision", lambda r: r.kernel in ("accumulate", "autocast")),
     ("Hugging Face Llama 0.85B", lambda r: r.kernel.startswith("llama/")),
+    ("Hugging Face Llama served (prefill, decode, generate)",
+     lambda r: r.kernel.startswith("serve/")),
 ]  # fmt: skip
 
 

@@ -3,8 +3,8 @@ in one call: ``apply_llmsys(model)``; and greedy generation over a static KV cac
 step replayed from a CUDA graph: ``generate(model, input_ids, max_new_tokens)``."""
 
 from .apply import apply_llmsys
-from .generation import generate
+from .generation import cached_forward, generate
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "apply_llmsys", "generate"]
+__all__ = ["__version__", "apply_llmsys", "cached_forward", "generate"]

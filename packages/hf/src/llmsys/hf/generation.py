@@ -65,7 +65,7 @@ def generate(
     batch, prompt = input_ids.shape
     ids = input_ids.long()
     cache = StaticCache(config=model.config, max_cache_len=prompt + int(max_new_tokens))
-    call = _caller(model, cache)
+    call = cached_forward(model, cache)
     with torch.no_grad():
         positions = torch.arange(prompt, device=ids.device).expand(batch, prompt)
         logits = call(ids, positions, logits_to_keep=1)
@@ -92,10 +92,12 @@ def generate(
     return torch.cat([ids, *new], dim=1).to(input_ids.dtype)
 
 
-def _caller(model: nn.Module, cache):
-    """``call(ids, positions, **extra) -> logits`` through ``cache``, under the keywords this
-    transformers version takes: ``cache`` or ``past_key_values``, and ``cache_position`` where
-    the model still has it (positions from the cache's length would cost a host sync)."""
+def cached_forward(model: nn.Module, cache):
+    """``call(ids, positions, **extra) -> logits``: ``model``'s forward on token ``ids`` at
+    ``positions`` (both (batch, tokens)), reading and writing ``cache`` at those positions. It
+    passes the keywords this transformers version takes: ``cache`` or ``past_key_values``, and
+    ``cache_position`` where the model still has it (positions from the cache's length would
+    cost a host sync, and a CUDA graph could not replay them)."""
     parameters = inspect.signature(model.forward).parameters
     key = "cache" if "cache" in parameters else "past_key_values"
     with_cache_position = "cache_position" in parameters

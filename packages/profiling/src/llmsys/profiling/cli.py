@@ -6,6 +6,7 @@
     llmsys-bench attention
     llmsys-bench precision
     llmsys-bench llama --quick
+    llmsys-bench serve --model 8b
     llmsys-bench report llmsys-bench-results/ --out REPORT.md
 
 Every subcommand prints a Markdown table and writes ``<out>/<subcommand>.csv`` in the shared
@@ -32,6 +33,7 @@ SUBCOMMANDS = {
     "attention": "attention_sweep",
     "precision": "precision",
     "llama": "llama",
+    "serve": "serve",
     "report": "infra.report",
 }
 

@@ -49,7 +49,7 @@ from torch import nn
 
 from llmsys.bench_harness import results
 
-from .options import non_negative_int, positive_int
+from .options import batch_by_tokens, non_negative_int, positive_int
 from .progress import progress
 from .training import free_device_memory, make_optimizer, synchronize
 
@@ -116,7 +116,10 @@ def add_arguments(parser) -> None:
         "--curve-steps", type=positive_int, default=200, help="steps of the loss curve (200)"
     )
     parser.add_argument(
-        "--curve-shape", default="2x1024", help="the loss curve's batch as BxT (default 2x1024)"
+        "--curve-shape",
+        type=batch_by_tokens,
+        default=(2, 1024),
+        help="the loss curve's batch as BxT (default 2x1024)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="a tiny Llama at tiny sizes (a smoke test)"
@@ -134,6 +137,7 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--train-shape",
         nargs="+",
+        type=batch_by_tokens,
         help="training batches as BxT (default: 4x2048 1x8192; with --quick, 2x32)",
     )
     parser.add_argument(
@@ -502,7 +506,7 @@ def loss_curves(args, sizes: dict, emit: Callable, out: Path) -> None:
     steps; writes every step's loss to ``<out>/llama-loss-curve.csv`` and its plot, and emits one
     row per curve: the largest gap to stock eager's loss over the steps."""
     device = args.device
-    batch, tokens = (int(n) for n in args.curve_shape.lower().split("x"))
+    batch, tokens = args.curve_shape
     steps = 8 if args.quick else args.curve_steps
     master = build_llama(sizes, "cpu", torch.float32).train()
     data = torch.randint(
@@ -590,7 +594,7 @@ def run(args) -> list[results.Row]:
     sizes = TINY if args.quick else MODELS[args.model]
     shapes = dict(SIZES["quick" if args.quick else "full"])
     if args.train_shape:
-        shapes["train"] = [tuple(int(n) for n in s.lower().split("x")) for s in args.train_shape]
+        shapes["train"] = args.train_shape
     gpu, stamp = results.device_name(args.device), results.timestamp()
     version = f"torch {torch.__version__}, transformers {_transformers().__version__}"
     rows: list[results.Row] = []

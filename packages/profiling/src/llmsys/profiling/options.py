@@ -139,6 +139,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def batch_by_tokens(text: str) -> tuple[int, int]:
+    """argparse type: a batch as ``BxT`` (sequences x tokens), both >= 1."""
+    try:
+        batch, tokens = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be BxT, like 8x512; got {text!r}") from None
+    if batch < 1 or tokens < 1:
+        raise argparse.ArgumentTypeError(f"needs B and T >= 1, got {text!r}")
+    return batch, tokens
+
+
 def add_model_arguments(
     parser: argparse.ArgumentParser, *, contexts=(1024,), sizes=("small",), cpu_contexts=(128,)
 ) -> None:

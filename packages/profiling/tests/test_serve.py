@@ -1,0 +1,79 @@
+"""`llmsys-bench serve` on the CPU: a tiny Hugging Face Llama through prefill, decode and
+generate, every provider a row (a time, or why it has none), speed-ups over fp16, and the plot."""
+
+import math
+
+import pytest
+
+from llmsys.bench_harness import results
+from llmsys.profiling import cli, serve
+
+pytest.importorskip(
+    "transformers", reason="transformers is an optional extra: llmsys-profiling[transformers]"
+)
+
+
+def test_quick_run_gives_every_provider_a_row_per_case(tmp_path, capsys):
+    argv = ["serve", "--quick", "--device", "cpu", "--warmup", "0", "--reps", "1"]
+    argv += ["--context", "8", "--generate-tokens", "1", "--out", str(tmp_path)]
+    assert cli.main([*argv, "--providers", "fp16", "torchao-int8"]) == 0
+    rows = results.read_rows(tmp_path / "serve.csv")
+    cases = {
+        ("serve/prefill", "2x16"),
+        ("serve/decode", "batch 2, context 8"),
+        ("serve/generate", "batch 2, prompt 8"),
+    }
+    assert {(r.kernel, r.x) for r in rows} == cases
+    for kernel, x in cases:
+        fp16 = [r for r in rows if (r.kernel, r.x, r.provider) == (kernel, x, "fp16")]
+        assert [r.mode for r in fp16] == ["eager"]  # no CUDA graph, no compile on a CPU
+        assert fp16[0].p50 > 0 and fp16[0].throughput > 0 and fp16[0].speedup_vs_baseline == 1
+        ao = [r for r in rows if (r.kernel, r.x, r.provider) == (kernel, x, "torchao-int8")]
+        assert len(ao) == 1
+        if math.isnan(ao[0].p50):  # torchao is not installed: the row says so
+            assert ao[0].config.startswith("not run:") and "torchao" in ao[0].config
+        else:
+            assert ao[0].speedup_vs_baseline == pytest.approx(fp16[0].p50 / ao[0].p50)
+    tokens = {r.kernel: r.throughput * r.p50 / 1e3 for r in rows if r.provider == "fp16"}
+    assert tokens == pytest.approx(
+        {"serve/prefill": 2 * 16, "serve/decode": 2, "serve/generate": 2}
+    )
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert "| serve/decode |" in capsys.readouterr().out
+
+
+def test_int8_fused_is_served_eagerly_on_the_cpu(tmp_path):
+    argv = ["serve", "--quick", "--device", "cpu", "--warmup", "0", "--reps", "1"]
+    argv += ["--providers", "int8-fused", "--decode", "--generate", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    (row,) = results.read_rows(tmp_path / "serve.csv")  # --quick keeps its own sizes
+    assert (row.kernel, row.provider, row.mode) == ("serve/prefill", "int8-fused", "eager")
+    assert row.p50 > 0 and "weights" in row.config and "failed" not in row.config
+
+
+def _row(kernel, provider, mode, p50, x="x"):
+    return results.Row(kernel, provider, mode, x, "float16", p50, p50, p50)
+
+
+def test_speed_ups_are_over_fp16s_fastest_graph_or_compiled_mode():
+    rows = [
+        _row("serve/decode", "fp16", "eager", 5.0),  # eager is not the baseline while others ran
+        _row("serve/decode", "fp16", "cuda-graph", 10.0),
+        _row("serve/decode", "fp16", "compiled+graph", 8.0),
+        _row("serve/decode", "int8-fused", "cuda-graph", 4.0),
+        _row("serve/decode", "torchao-int8", "cuda-graph", math.nan),
+        _row("serve/decode", "int8-fused", "cuda-graph", 2.0, x="other case"),  # no fp16 row
+        _row("serve/generate", "fp16", "eager", 30.0),
+        _row("serve/generate", "fp16", "cuda-graph", 10.0),
+        _row("serve/generate", "int8-fused", "eager", 20.0),
+    ]
+    serve._with_speedups(rows)
+    got = [r.speedup_vs_baseline for r in rows]
+    assert got == [1.6, 0.8, 1.0, 2.0, None, None, 1.0, 1.0, 1.5]
+
+
+@pytest.mark.parametrize("shape", ["8", "8x", "0x512", "ax2", "2x3x4"])
+def test_a_bad_prefill_shape_is_refused_by_name(shape, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--prefill", shape])
+    assert "--prefill" in capsys.readouterr().err
