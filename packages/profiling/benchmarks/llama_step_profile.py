@@ -43,7 +43,7 @@ from llmsys.profiling.training import make_optimizer
 CATEGORIES = (  # (name, kernel-name pattern); the first match wins
     # attention first: cuDNN's attention kernels are named "..._sdpa_sm90_flash_..."
     ("attention", r"flash|attn|fmha|attention"),
-    ("gemm (cuBLAS/CUTLASS)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas|splitK|gemv"),
+    ("gemm (cuBLAS/CUTLASS, our W8A8)", r"gemm|nvjet|cutlass|xmma|sm90_|cublas|splitK|gemv|w8a8"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("llmsys int8", r"int8|quantize"),
     ("llmsys fused", r"rms_norm|rotary|cross_entropy_rows|swiglu"),
@@ -127,7 +127,9 @@ def serving(args) -> None:
                 size = f"batch {batch}, context {args.context}"
             for _ in range(3):
                 step()
-            graph_ms = events_ms(cuda_graph(step), args.steps)
+            graph_ms = None  # torchao's dynamic quantization does not capture (serve.NO_GRAPH)
+            if not args.provider.startswith("torchao"):
+                graph_ms = events_ms(cuda_graph(step), args.steps)
             mode = "compiled layers" if args.compiled else "eager"
             label = f"{args.model} {args.case} {size}, {args.provider}, {mode}"
             report(label, step, args.steps, graph_ms)

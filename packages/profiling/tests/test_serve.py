@@ -14,8 +14,8 @@ pytest.importorskip(
 
 
 def test_quick_run_gives_every_provider_a_row_per_case(tmp_path, capsys):
-    argv = ["serve", "--quick", "--device", "cpu", "--warmup", "0", "--reps", "1"]
-    argv += ["--context", "8", "--generate-tokens", "1", "--out", str(tmp_path)]
+    argv = ["serve", "--quick", "--device", "cpu", "--warmup", "0", "--reps", "3"]
+    argv += ["--context", "8", "--generate-tokens", "8", "--out", str(tmp_path)]
     assert cli.main([*argv, "--providers", "fp16", "torchao-int8"]) == 0
     rows = results.read_rows(tmp_path / "serve.csv")
     cases = {
@@ -77,3 +77,9 @@ def test_a_bad_prefill_shape_is_refused_by_name(shape, capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--prefill", shape])
     assert "--prefill" in capsys.readouterr().err
+
+
+def test_a_run_with_no_cases_writes_an_empty_table(tmp_path):
+    argv = ["serve", "--quick", "--device", "cpu", "--providers", "fp16"]
+    assert cli.main([*argv, "--prefill", "--decode", "--generate", "--out", str(tmp_path)]) == 0
+    assert results.read_rows(tmp_path / "serve.csv") == []

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
+import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -59,7 +61,7 @@ from llmsys.bench_harness import results
 from .llama import LLAMA, LLAMA_8B, TINY, _transformers, build_llama, cuda_graph, time_calls
 from .options import batch_by_tokens, non_negative_int, positive_int
 from .progress import progress
-from .training import free_device_memory, synchronize
+from .training import synchronize
 
 HELP = "a Hugging Face Llama served: prefill and decode tok/s, fp16 against int8 and torchao"
 MODELS = {"8b": LLAMA_8B, "0.85b": LLAMA}
@@ -171,8 +173,22 @@ def compiled_layers(model: nn.Module):
 
 
 def weight_gib(model: nn.Module) -> float:
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
-    return sum(t.untyped_storage().nbytes() for t in tensors) / 2**30
+    """GiB of ``model``'s parameters and buffers, each storage once; a tensor subclass (torchao's
+    quantized weights) counts the tensors it is made of, not the float tensor it stands for."""
+    storages: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        if hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            for name in names:
+                add(getattr(t, name))
+        else:
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    for t in [*model.parameters(), *model.buffers()]:
+        add(t)
+    return sum(storages.values()) / 2**30
 
 
 def _time_generate(model, prompt, new: int, reps: int, graph: bool, device) -> list[float]:
@@ -188,7 +204,13 @@ def _time_generate(model, prompt, new: int, reps: int, graph: bool, device) -> l
         return time.perf_counter() - start
 
     seconds(3 + new)  # warm-up
-    return [(seconds(3 + new) - seconds(3)) * 1e3 / new for _ in range(reps)]
+    times = [(seconds(3 + new) - seconds(3)) * 1e3 / new for _ in range(reps)]
+    if statistics.median(times) <= 0:  # never a negative time: say the runs were too short
+        raise RuntimeError(
+            f"the runs' difference ({new} tokens) is within the timing noise: raise "
+            "--generate-tokens or --reps"
+        )
+    return times
 
 
 def run(args) -> list[results.Row]:
@@ -214,9 +236,10 @@ def run(args) -> list[results.Row]:
     rows: list[results.Row] = []
     out = Path(args.out)
 
-    def emit(row: results.Row) -> None:
+    def emit(row: results.Row) -> None:  # a run cut off keeps its rows and their speed-ups
         row.gpu, row.timestamp, row.version = gpu, stamp, version
         rows.append(row)
+        _with_speedups(rows)
         results.write_csv(rows, out / "serve.csv")
 
     torch.manual_seed(0)
@@ -266,14 +289,16 @@ def run(args) -> list[results.Row]:
                     emit(_step_row(model, name, phase, mode, size, x, context, args, settings))
                 elif mode in ("eager", "cuda-graph"):  # generate captures its own graph
                     emit(_generate_row(model, name, mode, size, x, context, new, args, settings))
-                free_device_memory(device)
-    _with_speedups(rows)
+                gc.collect()  # the case's CUDA graph and its memory pool (compiled code stays)
+                if on_cuda:
+                    torch.cuda.empty_cache()
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("serve: matplotlib is not installed; no plot")
     else:
-        print(f"wrote {plot(rows, out / 'serve.png')}")
+        if rows:
+            print(f"wrote {plot(rows, out / 'serve.png')}")
     return rows
 
 
@@ -316,7 +341,7 @@ def decode_step(model: nn.Module, batch: int, context: int, room: int) -> Callab
     call = cached_forward(model, cache)
     device = next(model.parameters()).device
     history = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
-    call(history, torch.arange(context, device=device).expand(batch, context))
+    call(history, torch.arange(context, device=device).expand(batch, context), logits_to_keep=1)
     token = history[:, -1:].clone()
     position = torch.full((batch, 1), context, device=device)
     return lambda: call(token, position)
@@ -381,7 +406,6 @@ def plot(rows: list[results.Row], path: Path) -> Path:
     from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
 
     kinds = {r.kernel for r in rows}
-
     phases = [p for p in ("serve/prefill", "serve/decode", "serve/generate") if p in kinds]
     providers = list(dict.fromkeys(r.provider for r in rows))
     fig = Figure(figsize=(5 * len(phases), 4.5), layout="constrained")
