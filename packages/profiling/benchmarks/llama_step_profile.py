@@ -112,8 +112,7 @@ def serving(args) -> None:
     fp16 = build_llama(serve.MODELS[args.model], "cuda", torch.float16).eval()
     model = serve.quantized(args.provider, fp16)
     vocab = model.config.vocab_size
-    compiled = serve.compiled_layers(model) if args.compiled else contextlib.nullcontext()
-    with torch.no_grad(), compiled:
+    with torch.no_grad():
         for batch in args.batch:
             if args.case == "prefill":
                 ids = torch.randint(0, vocab, (batch, args.tokens), device="cuda")
@@ -122,17 +121,19 @@ def serving(args) -> None:
                     return model(ids, use_cache=False, logits_to_keep=1)
 
                 size = f"{batch}x{args.tokens}"
-            else:
+            else:  # the cache filled eagerly, as serve does: no compile of that shape
                 step = serve.decode_step(model, batch, args.context, room=16 + 3 * args.steps)
                 size = f"batch {batch}, context {args.context}"
-            for _ in range(3):
-                step()
-            graph_ms = None  # torchao's dynamic quantization does not capture (serve.NO_GRAPH)
-            if not args.provider.startswith("torchao"):
-                graph_ms = events_ms(cuda_graph(step), args.steps)
-            mode = "compiled layers" if args.compiled else "eager"
-            label = f"{args.model} {args.case} {size}, {args.provider}, {mode}"
-            report(label, step, args.steps, graph_ms)
+            compiled = serve.compiled_layers(model) if args.compiled else contextlib.nullcontext()
+            with compiled:
+                for _ in range(3):
+                    step()
+                graph_ms = None  # torchao's dynamic quantization does not capture (serve.NO_GRAPH)
+                if not args.provider.startswith("torchao"):
+                    graph_ms = events_ms(cuda_graph(step), args.steps)
+                mode = "compiled layers" if args.compiled else "eager"
+                label = f"{args.model} {args.case} {size}, {args.provider}, {mode}"
+                report(label, step, args.steps, graph_ms)
 
 
 def main() -> None:
