@@ -4,6 +4,8 @@ generate, every provider a row (a time, or why it has none), speed-ups over fp16
 import math
 
 import pytest
+import torch
+from torch import nn
 
 from llmsys.bench_harness import results
 from llmsys.profiling import cli, serve
@@ -83,3 +85,30 @@ def test_a_run_with_no_cases_writes_an_empty_table(tmp_path):
     argv = ["serve", "--quick", "--device", "cpu", "--providers", "fp16"]
     assert cli.main([*argv, "--prefill", "--decode", "--generate", "--out", str(tmp_path)]) == 0
     assert results.read_rows(tmp_path / "serve.csv") == []
+
+
+class _Packed(torch.Tensor):
+    """A float16 weight stored as int8 values and a scale, as torchao's quantized tensors are:
+    a wrapper subclass whose own storage is not the data."""
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor, scale: torch.Tensor):
+        packed = torch.Tensor._make_wrapper_subclass(cls, values.shape, dtype=torch.float16)
+        packed.values, packed.scale = values, scale
+        return packed
+
+    def __tensor_flatten__(self):
+        return ["values", "scale"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_Packed does not compute ({func})")
+
+
+def test_weight_size_counts_what_a_quantized_tensor_holds_and_each_storage_once():
+    model = nn.Module()
+    model.register_buffer("w", _Packed(torch.zeros(64, 16, dtype=torch.int8), torch.ones(64)))
+    tied = nn.Parameter(torch.zeros(8, 4, dtype=torch.float16))
+    model.a, model.b = nn.Linear(4, 8, bias=False), nn.Linear(4, 8, bias=False)
+    model.a.weight = model.b.weight = tied  # one storage under two names
+    assert serve.weight_gib(model) * 2**30 == 64 * 16 + 64 * 4 + 8 * 4 * 2
