@@ -109,6 +109,8 @@ def train(args) -> None:
 
 
 def serving(args) -> None:
+    if args.compiled:
+        serve.allow_a_compile_per_layer()
     fp16 = build_llama(serve.MODELS[args.model], "cuda", torch.float16).eval()
     model = serve.quantized(args.provider, fp16)
     vocab = model.config.vocab_size
