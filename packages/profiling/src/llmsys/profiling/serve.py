@@ -278,11 +278,7 @@ def run(args) -> list[results.Row]:
     cases = [("prefill", shape) for shape in prefill] + [("decode", b) for b in decode]
     cases += [("generate", b) for b in gen]
     for phase, size in progress(cases, "serve", lambda c: f"{c[0]} {c[1]}"):
-        x = {
-            "prefill": lambda: f"{size[0]}x{size[1]}",
-            "decode": lambda: f"batch {size}, context {context}",
-            "generate": lambda: f"batch {size}, prompt {context}",
-        }[phase]()
+        x = _case(phase, size, context)
         for name in args.providers:
             if name in missing:
                 emit(_failed(phase, name, "-", x, missing[name]))
@@ -307,6 +303,13 @@ def run(args) -> list[results.Row]:
         if rows:
             print(f"wrote {plot(rows, out / 'serve.png')}")
     return rows
+
+
+def _case(phase: str, size, context: int) -> str:
+    """The CSV's ``x`` of a case: ``BxT`` (prefill), else the batch and the cached tokens."""
+    if phase == "prefill":
+        return f"{size[0]}x{size[1]}"
+    return f"batch {size}, {'context' if phase == 'decode' else 'prompt'} {context}"
 
 
 def _step_row(model, name, phase, mode, size, x, context, args, settings) -> results.Row:
