@@ -41,6 +41,12 @@ SERVE_COMMAND = (
     "--reps 8"
 )
 
+# The two runs behind h100-serve-0.85b.csv, one after the other in one call.
+SERVE_SMALL_COMMAND = (
+    "llmsys-bench serve --model 0.85b --decode --generate --warmup 2 --reps 8; the same with "
+    "--prefill --providers fp16 int8-fused --compile (decode and generate)"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Table:
@@ -234,6 +240,15 @@ TABLES = {
         (("kernel", ("serve/prefill", "serve/decode", "serve/generate")),),
         ours="int8-fused",
         command=SERVE_COMMAND,
+        speedup=True,
+    ),
+    "profiling-serve-0.85b": Table(
+        "profiling",
+        "h100-serve-0.85b.csv",
+        ("fp16", "int8-fused", "torchao-int8", "torchao-float8"),
+        (("kernel", ("serve/prefill", "serve/decode", "serve/generate")),),
+        ours="int8-fused",
+        command=SERVE_SMALL_COMMAND,
         speedup=True,
     ),
     "profiling-llama-training": Table(
