@@ -175,6 +175,21 @@ class Pick:
 
 
 SW = ("swiglu", "ours", "fwd", "16384x8192", "bfloat16")
+
+
+def _serve_table(csv_name: str, command: str) -> Table:
+    """An ``llmsys-bench serve`` CSV: every provider, ours' speed-up as serve computed it."""
+    return Table(
+        "profiling",
+        csv_name,
+        ("fp16", "int8-fused", "torchao-int8", "torchao-float8"),
+        (("kernel", ("serve/prefill", "serve/decode", "serve/generate")),),
+        ours="int8-fused",
+        command=command,
+        speedup=True,
+    )
+
+
 TABLES = {
     "kernels-swiglu": Table(
         "kernels-swiglu",
@@ -233,24 +248,8 @@ TABLES = {
         ours="int8-fused",
         command="llmsys-bench llama --model 8b --part inference --reps 10",
     ),
-    "profiling-serve-8b": Table(
-        "profiling",
-        "h100-serve-8b.csv",
-        ("fp16", "int8-fused", "torchao-int8", "torchao-float8"),
-        (("kernel", ("serve/prefill", "serve/decode", "serve/generate")),),
-        ours="int8-fused",
-        command=SERVE_COMMAND,
-        speedup=True,
-    ),
-    "profiling-serve-0.85b": Table(
-        "profiling",
-        "h100-serve-0.85b.csv",
-        ("fp16", "int8-fused", "torchao-int8", "torchao-float8"),
-        (("kernel", ("serve/prefill", "serve/decode", "serve/generate")),),
-        ours="int8-fused",
-        command=SERVE_SMALL_COMMAND,
-        speedup=True,
-    ),
+    "profiling-serve-8b": _serve_table("h100-serve-8b.csv", SERVE_COMMAND),
+    "profiling-serve-0.85b": _serve_table("h100-serve-0.85b.csv", SERVE_SMALL_COMMAND),
     "profiling-llama-training": Table(
         "profiling",
         "h200-llama-training.csv",
