@@ -71,16 +71,20 @@ def test_logits_loss_and_gradients_match_transformers(family):
 
 
 def count_calls(monkeypatch, name: str) -> list:
-    """Count the calls of ``llmsys.hf.forwards.<name>`` (a kernels-fused function)."""
+    """Count the calls of kernels-fused function ``name`` from the forwards apply_llmsys binds
+    (``rotary`` from ``llmsys.kernels_fused.hf``'s attention, the others from
+    ``llmsys.hf.forwards``)."""
     from llmsys.hf import forwards
+    from llmsys.kernels_fused import hf as fused_hf
 
-    calls, function = [], getattr(forwards, name)
+    module = fused_hf if name == "rotary" else forwards
+    calls, function = [], getattr(module, name)
 
     def counted(*args, **kwargs):
         calls.append(name)
         return function(*args, **kwargs)
 
-    monkeypatch.setattr(forwards, name, counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 

@@ -135,6 +135,25 @@ def test_generation_with_the_kv_cache_and_a_padding_mask(device):
     assert relative_error(steps, full) < 1e-3, relative_error(steps, full)
 
 
+def test_the_attention_rotates_q_and_k_in_one_launch_per_layer(device, monkeypatch):
+    """The rewritten attention calls kernels-fused's rotary once per layer (q and k together);
+    a model with partial rotary embeddings, which that kernel does not fit, keeps transformers'
+    attention forward (its logits are checked like every other's)."""
+    from llmsys.kernels_fused import hf as fused_hf
+
+    model = tiny_model("llama", device)
+    quantize_model(model)
+    calls, rotary = [], fused_hf.rotary
+    monkeypatch.setattr(fused_hf, "rotary", lambda *args: calls.append(1) or rotary(*args))
+    logits(model, tokens(device))
+    assert len(calls) == SIZES["num_hidden_layers"]
+
+    partial = tiny_model("llama", device)
+    partial.config.partial_rotary_factor = 0.5
+    quantize_model(partial)
+    assert all("forward" not in layer.self_attn.__dict__ for layer in partial.model.layers)
+
+
 # --- the fused projections -----------------------------------------------------------------------
 
 

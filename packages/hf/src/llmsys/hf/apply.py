@@ -8,6 +8,8 @@ from types import MethodType
 
 from torch import nn
 
+from llmsys.kernels_fused.hf import attention_forward
+
 from . import forwards
 
 logger = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ def apply_llmsys(
             if all(type(norm) in norm_classes for norm in norms):
                 _patch(layer, forwards.decoder_layer_forward)
     if rotary:
-        report["rotary"] = [n for n, m in of("attention") if _patch(m, forwards.attention_forward)]
+        report["rotary"] = [n for n, m in of("attention") if _patch(m, attention_forward)]
     if loss:
         report["loss"] = [
             n or type(m).__name__ for n, m in heads if _patch(m, forwards.causal_lm_forward)

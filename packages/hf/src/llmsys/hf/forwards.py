@@ -7,9 +7,9 @@ to transformers' own forward of the module's class:
 
     RMSNorm         ``rms_norm`` (llmsys.kernels_fused); with ``residual=`` the add before it too
     decoder layer   the residual add after attention fused into the post-attention RMSNorm
-    attention       q, k and v projections, ``rotary`` on q and k in one launch, the KV cache's
-                    update, the attention implementation the config names (``llmsys_fa2``
-                    after ``apply_llmsys``) and the output projection
+    attention       ``llmsys.kernels_fused.hf.attention_forward``: ``rotary`` on q and k in one
+                    launch (kernels-int8's ``quantize_model`` binds it too), then the attention
+                    implementation the config names (``llmsys_fa2`` after ``apply_llmsys``)
     causal LM       with ``labels=``, the loss from the last hidden states through
                     ``causal_lm_loss`` (the logits never exist); without labels, or with
                     ``logits_to_keep``: transformers' forward
@@ -17,12 +17,10 @@ to transformers' own forward of the module's class:
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
-from llmsys.kernels_fused import causal_lm_loss, rms_norm, rotary
+from llmsys.kernels_fused import causal_lm_loss, rms_norm
 
 
 def rms_norm_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
@@ -55,58 +53,6 @@ def _cast_once(normed: torch.Tensor) -> torch.Tensor:
     if normed.dtype == torch.float32 and torch.is_autocast_enabled(device):
         return normed.to(torch.get_autocast_dtype(device))
     return normed
-
-
-def _interface(module: nn.Module):
-    """The attention function ``config._attn_implementation`` names, as transformers picks it."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = module.config._attn_implementation
-    if name in (None, "eager"):
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
-
-
-def attention_forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
-):
-    """``LlamaAttention.forward`` (and Mistral's and Qwen2's) with the fused rotary kernel.
-
-    A KV cache is updated as transformers does it: ``cache.update(..., kwargs=kwargs)`` where
-    the layer passes ``cache=`` (transformers 5.2x), ``past_key_values.update(...)`` where it
-    passes ``past_key_values=`` (5.17)."""
-    cache = kwargs.pop("cache", None)
-    legacy_cache = kwargs.pop("past_key_values", None)
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = rotary(query, key, cos, sin)
-    if cache is not None:
-        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    elif legacy_cache is not None:
-        key, value = legacy_cache.update(key, value, self.layer_idx)
-    # Qwen2 keeps its window per layer, Mistral in the config, Llama has none.
-    window = getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))
-    output, weights = _interface(self)(
-        self,
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout=self.attention_dropout if self.training else 0.0,
-        scaling=self.scaling,
-        sliding_window=window,
-        **kwargs,
-    )
-    output = output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(output), weights
 
 
 def _output_with_cache(outputs, **fields):

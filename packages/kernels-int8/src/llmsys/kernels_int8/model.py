@@ -7,7 +7,8 @@ decoder layer runs instead (each bracket is one kernel):
 
     [RMSNorm -> int8 rows + per-token scales]          rms_norm_quantize_int8 (kernels-fused)
     [q | k | v: one GEMM over concatenated weights]    self_attn.qkv_proj, split back as views
-    attention: transformers' own forward (rotary, KV cache, masks, the attention implementation)
+    attention: q and k rotated in one launch (kernels_fused.rotary), then transformers' KV
+               cache, masks and attention implementation (kernels_fused.hf.attention_forward)
     [o_proj: quantize + GEMM]                          an Int8Linear as quantize_linears makes
     [residual add + RMSNorm -> int8 rows + scales]     rms_norm_quantize_int8(residual=)
     [gate | up: one GEMM]                              mlp.gate_up_proj
@@ -15,10 +16,12 @@ decoder layer runs instead (each bracket is one kernel):
     [down_proj GEMM]                                   mlp.down_proj.forward_quantized
     residual add
 
-The attention keeps transformers' forward: its ``q_proj``, ``k_proj`` and ``v_proj`` become
-:class:`ProjectionSlice` views of the fused projection's output, which the layer passes to it in
-place of the normalized hidden states. The layer's and the MLP's new forwards are bound to those
-instances only (other models in the process keep transformers' code).
+The attention's ``q_proj``, ``k_proj`` and ``v_proj`` become :class:`ProjectionSlice` views of
+the fused projection's output, which the layer passes to it in place of the normalized hidden
+states. Its forward is transformers' with the rotary embedding fused (eagerly five kernels per
+tensor, about ten launches a layer); a model with partial rotary embeddings keeps transformers'
+own. The new forwards are bound to those instances only (other models in the process keep
+transformers' code).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 from torch import nn
 
 from llmsys.kernels_fused import rms_norm_quantize_int8
+from llmsys.kernels_fused.hf import attention_forward
 
 from . import ops
 from .functional import quantize_int8_perrow
@@ -256,6 +260,8 @@ def _plan_layer(layer: nn.Module):
         mlp.gate_up_proj, mlp.down_proj = gate_up, down
         mlp.forward = MethodType(mlp_forward, mlp)
         layer.forward = MethodType(decoder_layer_forward, layer)
+        if getattr(attn.config, "partial_rotary_factor", 1.0) == 1.0:
+            attn.forward = MethodType(attention_forward, attn)
 
     return install
 
@@ -270,7 +276,8 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     the gate/up GEMM one row-wise kernel computes SiLU-and-mul and the per-token quantization
     for ``down_proj``. ``o_proj`` and ``down_proj`` become :class:`Int8Linear`. The scheme is
     :func:`quantize_linears`'s (weights per output channel, activations per token), computed
-    with fewer passes; transformers' attention (rotary, KV cache, masks) is kept.
+    with fewer passes. The attention rotates q and k in one launch and keeps transformers' KV
+    cache, masks and attention implementation.
 
     Every other plain ``nn.Linear`` is swapped for an ``Int8Linear`` as :func:`quantize_linears`
     swaps it: the causal LM's ``lm_head`` (as ``quantize_linears``' default does), and the
