@@ -25,26 +25,29 @@ FSDP_COMMAND = (
     "--batch-size 12; with --rounds 2 --strategies FSDP 'torch FSDP2'"
 )
 
-# The two llmsys-bench llama runs behind h200-llama-training.csv (each side by side).
+# The two llmsys-bench llama runs behind h100-llama-training.csv (each side by side).
 LLAMA_TRAINING_COMMAND = (
     "llmsys-bench llama --part training curve --train-shape 4x2048 --compile both --reps 10 "
     "--largest-batch 2048; llmsys-bench llama --model 3b --part training --train-shape 2x2048 "
     "--compile both --reps 5 --warmup 2"
 )
 
-# The three llmsys-bench serve runs behind h100-serve-8b.csv (each case from one of them, its
-# providers side by side), on one H100 host with transformers 5.24 and torchao 0.18 carried in.
+# The four llmsys-bench serve runs behind h100-serve-8b.csv, one after the other on one H100 host
+# with transformers 5.24 and torchao 0.18 carried in (each case's providers side by side in one
+# run, but for torchao's batch-1 decode rows).
 SERVE_COMMAND = (
-    "llmsys-bench serve --model 8b (cut off by the 10-minute call after the prefill cases); "
-    "the same with --prefill --decode 8 1 32 --warmup 2 --reps 8 (cut off after batch 8); with "
-    "--prefill --decode 1 32 --generate 8 --providers fp16 int8-fused --compile --warmup 2 "
-    "--reps 8"
+    "llmsys-bench serve --model 8b --prefill 1x4096 8x512 --decode 8 --generate --providers fp16 "
+    "int8-fused torchao-int8 torchao-float8 --compile fp16 --warmup 2 --reps 8; the same with "
+    "--prefill --decode 1 32 (batch 32, and torchao's batch-1 rows; cut off in generate); with "
+    "--prefill --decode 1 --generate --providers fp16 int8-fused --compile fp16 int8-fused (batch "
+    "1); with --prefill --decode --generate 8 --compile --generate-tokens 16 --warmup 1 --reps 4 "
+    "(generate)"
 )
 
-# The two runs behind h100-serve-0.85b.csv, one after the other in one call.
+# The two runs behind h100-serve-0.85b.csv, on one H100 host (each case from one of them).
 SERVE_SMALL_COMMAND = (
-    "llmsys-bench serve --model 0.85b --decode --generate --warmup 2 --reps 8; the same with "
-    "--prefill --providers fp16 int8-fused --compile (decode and generate)"
+    "llmsys-bench serve --model 0.85b --compile fp16 int8-fused --warmup 2 --reps 8 (cut off at "
+    "decode batch 32); the same with --providers fp16 int8-fused (decode batch 32 and generate)"
 )
 
 
@@ -252,7 +255,7 @@ TABLES = {
     "profiling-serve-0.85b": _serve_table("h100-serve-0.85b.csv", SERVE_SMALL_COMMAND),
     "profiling-llama-training": Table(
         "profiling",
-        "h200-llama-training.csv",
+        "h100-llama-training.csv",
         ("stock", "llmsys", "liger"),
         (("kernel", ("llama/train-step",)),),
         ours="llmsys",
@@ -260,7 +263,7 @@ TABLES = {
     ),
     "profiling-llama-largest-batch": Table(
         "profiling",
-        "h200-llama-training.csv",
+        "h100-llama-training.csv",
         ("stock", "llmsys", "liger"),
         (("kernel", ("llama/largest-batch",)),),
         ours="llmsys",
