@@ -9,6 +9,7 @@ from types import MethodType
 from torch import nn
 
 from llmsys.kernels_fused.hf import attention_forward
+from llmsys.kernels_fused.hf import fits as fused_attention_fits
 
 from . import forwards
 
@@ -119,7 +120,7 @@ def apply_llmsys(
             "on the float model (quantize_model after it falls back to a plain int8 swap)"
         )
     config = layers[0][1].self_attn.config
-    if rotary and getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+    if rotary and not fused_attention_fits(config):
         raise ValueError(
             "apply_llmsys: `rotary` fits full-width rotary embeddings only, got "
             f"partial_rotary_factor={config.partial_rotary_factor}; pass rotary=False"

@@ -19,6 +19,11 @@ from torch import nn
 from .rotary import rotary
 
 
+def fits(config) -> bool:
+    """Whether ``attention_forward`` fits a model of ``config``: full-width rotary embeddings."""
+    return getattr(config, "partial_rotary_factor", 1.0) == 1.0
+
+
 def _interface(module: nn.Module):
     """The attention function ``config._attn_implementation`` names, as transformers picks it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -37,6 +37,7 @@ from torch import nn
 
 from llmsys.kernels_fused import rms_norm_quantize_int8
 from llmsys.kernels_fused.hf import attention_forward
+from llmsys.kernels_fused.hf import fits as fused_attention_fits
 
 from . import ops
 from .functional import quantize_int8_perrow
@@ -260,7 +261,7 @@ def _plan_layer(layer: nn.Module):
         mlp.gate_up_proj, mlp.down_proj = gate_up, down
         mlp.forward = MethodType(mlp_forward, mlp)
         layer.forward = MethodType(decoder_layer_forward, layer)
-        if getattr(attn.config, "partial_rotary_factor", 1.0) == 1.0:
+        if fused_attention_fits(attn.config):
             attn.forward = MethodType(attention_forward, attn)
 
     return install
