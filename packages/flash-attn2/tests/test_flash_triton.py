@@ -4,6 +4,8 @@ On a CPU-only machine the kernels run under Triton's interpreter (conftest.py) a
 where float32 dots are exact (tight tolerances); on a GPU they are TF32 and bigger cases run.
 """
 
+import math
+
 import pytest
 import torch
 from attn_helpers import (
@@ -15,7 +17,7 @@ from attn_helpers import (
     run_with_grads,
 )
 
-from llmsys.flash_attn2 import FlashAttention2Triton, flash_attention, ops
+from llmsys.flash_attn2 import FlashAttention2Triton, attention_reference, flash_attention, ops
 
 CAUSAL = [False, True]
 LENGTHS = [1, 7, 15, 17, 127, 129, 1000]
@@ -253,9 +255,41 @@ def test_inputs_are_not_modified(device):
 
 def test_nan_poison_reaches_outputs(monkeypatch, device, poisoned_allocations):
     # Guards the fixture itself: with the kernel launch removed, the output must be all NaN.
-    monkeypatch.setattr(ops, "launch", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ops.Launch, "__call__", lambda *args, **kwargs: None)
     q, k, v = make_qkv((1, 1, 13, 16), (1, 1, 13, 16), device=device)
     assert torch.isnan(flash_attention(q, k, v)).all()
+    assert torch.isnan(flash_attention(q, k, v)).all()  # and from the problem's plan
+
+
+def test_a_planned_forward_is_replanned_when_the_problem_changes(device, poisoned_allocations):
+    """A repeated problem takes its plan; a change of shape, layout, head count, causal or the
+    scale's sign is a new one, and every output equals the reference."""
+    ops._forward_plans.clear()
+    q, k, v = (t.detach() for t in make_qkv((1, 2, 33, 16), (1, 2, 40, 16), device=device))
+    problems = [
+        (q, k, v, True, None),
+        (q, k, v, True, None),  # planned
+        (q[:, :, :20], k, v, True, None),  # N_q
+        (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True, None),  # q's strides
+        (q, k[:, :1], v[:, :1], True, None),  # grouped-query heads
+        (q, k, v, False, None),
+        (q, k, v, True, -0.5),  # a negative scale is not folded
+        (q[0], k[0], v[0], True, 0.3),  # 3-D
+    ]
+    for q_, k_, v_, causal, scale in problems:
+        out = flash_attention(q_, k_, v_, causal=causal, scale=scale)
+        expected, _ = attention_reference(q_, k_, v_, causal, scale, upcast=True)
+        assert_matches_spec((out,), (expected,), q.dtype, device, names=("out",))
+    assert len(ops._forward_plans) == len(problems) - 1
+
+
+def test_a_planned_forward_still_names_bad_arguments(device):
+    q, k, v = (t.detach() for t in make_qkv((1, 2, 16, 16), (1, 2, 16, 16), device=device))
+    flash_attention(q, k, v, causal=True, scale=0.5)
+    with pytest.raises(ValueError, match="`scale` must be finite"):
+        flash_attention(q, k, v, causal=True, scale=math.inf)
+    with pytest.raises(TypeError, match="`causal` must be a bool"):
+        flash_attention(q, k, v, causal=1, scale=0.5)
 
 
 def test_gqa_runs_no_expanding_op(device):

@@ -20,6 +20,7 @@ from llmsys.kernels_int8 import (
     matmul_int8_reference,
     matmul_quantize_int8,
     matmul_quantize_int8_reference,
+    quantize_int8_perrow_reference,
     ops,
     quantize_int8,
     quantize_int8_perrow,
@@ -317,6 +318,59 @@ def test_matmul_quantize_int8_out(device, poisoned_allocations):
     assert matmul_quantize_int8(fpa, q_b, b_scale, out=out) is out
     expected = matmul_quantize_int8(fpa, q_b, b_scale)
     torch.testing.assert_close(out, expected.half(), rtol=0, atol=0)
+
+
+def test_a_planned_product_is_decided_once_and_replanned_when_any_operand_changes(
+    device, poisoned_allocations, monkeypatch
+):
+    """The second call of a product takes its plan (no checks, no configuration); any change of
+    shape, layout, dtype or bias makes a new plan, and each result equals the spec."""
+    tuning.clear_cache()
+    q_b, b_scale = quantize_int8(torch.randn(100, 70, device=device) * 0.02)
+    x = torch.randn(33, 100, device=device)
+    product = ops.int8_matmul_quantize  # what Int8Linear calls
+    first = product(x, q_b, b_scale)
+    assert len(tuning.plans) == 2  # the GEMM's plan, and the quantizing product's
+    checked = []
+    monkeypatch.setattr(ops, "check_matmul_quantize_inputs", lambda *a: checked.append(a))
+    fresh = torch.randn(33, 100, device=device)
+    assert torch.equal(product(fresh, q_b, b_scale), _spec(fresh, q_b, b_scale))
+    assert checked == [] and torch.equal(product(x, q_b, b_scale), first)
+    bias = torch.randn(70, device=device)
+    variants = [
+        (torch.randn(5, 100, device=device), q_b, b_scale, None),  # M
+        (torch.randn(100, 33, device=device).t(), q_b, b_scale, None),  # x's strides
+        (x.double().float()[:, :], q_b.contiguous(), b_scale, None),  # b row-major
+        (x, q_b, b_scale.half(), None),  # scale dtype
+        (x, q_b, b_scale, bias),
+    ]
+    for i, (xv, bv, sv, biasv) in enumerate(variants, 1):
+        out = product(xv, bv, sv, biasv)
+        assert len(checked) == i  # a new product: checked again, then planned
+        assert torch.equal(out, _spec(xv, bv, sv, biasv)), i
+        assert torch.equal(product(xv, bv, sv, biasv), out) and len(checked) == i  # planned
+    tuning.clear_cache()
+    assert tuning.plans == {}
+
+
+def _spec(x, b, b_scale, bias=None):
+    """The reference quantizer, then the reference GEMM with its epilogue."""
+    q, scale = quantize_int8_perrow_reference(x)
+    return matmul_int8_reference(q, scale, b, b_scale, bias, x.dtype)
+
+
+def test_a_planned_product_still_names_bad_operands(device):
+    q_b, b_scale = quantize_int8(torch.randn(64, 32, device=device) * 0.02)
+    x = torch.randn(4, 64, device=device)
+    product = ops.int8_matmul_quantize
+    product(x, q_b, b_scale)
+    product(x, q_b, b_scale)  # planned
+    with pytest.raises(ValueError, match="`b_scale` must have shape"):
+        product(x, q_b, b_scale[:16])
+    with pytest.raises(ValueError, match="`b` must have K"):
+        product(torch.randn(4, 63, device=device), q_b, b_scale)
+    with pytest.raises(TypeError, match="`x`"):
+        product(x.to(torch.int32), q_b, b_scale)
 
 
 def test_error_against_float_matmul_is_within_users_bounds(device):

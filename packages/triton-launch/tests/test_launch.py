@@ -236,3 +236,55 @@ def test_host_grid_arithmetic_agrees_with_tritons():
         for b in (1, 2, 3, 16, 64, 127, 128):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
     assert next_power_of_2(0) == 1
+
+
+def test_the_c_launch_keys_a_cuda_call_as_python_does_and_leaves_the_rest_to_python():
+    """The C entry on a stand-in CUDA tensor (this machine may have no GPU): a miss returns the
+    key Python builds, a cached entry goes to the driver, and every call it does not cover
+    returns None for launcher.py to handle."""
+    module = native.get()
+
+    class CudaLike:  # what the C launcher reads of a tensor: get_device, dtype, data_ptr
+        dtype = torch.float16
+
+        def __init__(self, address):
+            self.address = address
+
+        def get_device(self):
+            return 0
+
+        def data_ptr(self):
+            return self.address
+
+    hooks = triton.knobs.runtime.launch_enter_hook
+    module.init(CudaLike, lambda: 0, lambda device: 0, triton.knobs.runtime)
+    try:
+        x, cache = CudaLike(4096), {}
+        args, constexprs, options = (x, CudaLike(4100), 7, 2.5), {"BLOCK": 64}, {"fp": False}
+        key = module.launch(cache, scale_add, (3, 2), args, constexprs, 4, None, options)
+        head = (scale_add, 0, 4, None, ("fp", False))
+        assert key == module.key(head, args, constexprs)
+        assert key[len(head) : len(head) + 2] == ((torch.float16, True), (torch.float16, False))
+        cache[key] = (None, b"ppif-", 128, 0, 0)  # a compiled kernel: the driver is called
+        try:  # with no function: no libcuda on this machine, or the driver refuses it
+            returned = module.launch(cache, scale_add, (3, 2), args, constexprs, 4, None, options)
+        except RuntimeError as error:
+            assert "native_launch" in str(error)
+        else:  # no current CUDA context on this thread: the key, for Triton's launcher
+            assert returned == key
+        cache[key] = (None, None, 128, 0, 0)  # a kernel for Triton's launcher: the key again
+        assert module.launch(cache, scale_add, 3, args, constexprs, 4, None, options) == key
+        for grid in (0, -1, (), (1, 2, 3, 4), (2, 0), 2.0, [3]):
+            assert module.launch(cache, scale_add, grid, args, constexprs, 4, None, {}) is None
+        cpu = (torch.zeros(4), *args[1:])
+        assert module.launch(cache, scale_add, 3, cpu, constexprs, 4, None, {}) is None
+        hooks.add(print)
+        try:
+            assert module.launch(cache, scale_add, 3, args, constexprs, 4, None, {}) is None
+        finally:
+            hooks.remove(print)
+        with pytest.raises(TypeError, match=r"native_launch\.launch"):
+            module.launch(cache, scale_add, 3, args, constexprs, 4, None)
+    finally:
+        native.get.cache_clear()
+        native.get()  # initialized again with torch's tensor type and functions

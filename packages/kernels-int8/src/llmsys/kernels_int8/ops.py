@@ -23,10 +23,10 @@ from contextlib import nullcontext
 import torch
 
 from llmsys.triton_launch import (
+    Launch,
     cdiv,
     checks,
     define_op,
-    launch,
     runs_under_interpreter,
     sm_count,
 )
@@ -221,20 +221,31 @@ def _quantize_checked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale
     if k == 0:
         return q, scale.zero_()
-    config = tuning.quantize_config(m, k)
-    launch(
-        quantize_int8_perrow_kernel,
-        cdiv(m, config.block_m),
-        (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0)),
-        {
+    QuantizePlan(x)(x, q, scale)
+    return q, scale
+
+
+class QuantizePlan:
+    """The quantizer's launch for one (M, K) and x's row stride, built once: a call only
+    launches."""
+
+    __slots__ = ("grid", "kernel", "sizes")
+
+    def __init__(self, x: torch.Tensor):
+        m, k = x.shape
+        config = tuning.quantize_config(m, k)
+        self.grid = cdiv(m, config.block_m)
+        self.sizes = (m, k, x.stride(0), x.stride(1), k)  # then q's row stride: q is (M, K)
+        constexprs = {
             "BLOCK_M": config.block_m,
             "BLOCK_K": config.block_k,
             "ONE_PASS": config.one_pass,
             "USE_LIBDEVICE": x.is_cuda,
-        },
-        num_warps=config.num_warps,
-    )
-    return q, scale
+        }
+        self.kernel = Launch(quantize_int8_perrow_kernel, constexprs, config.num_warps)
+
+    def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        self.kernel(self.grid, (x, q, scale, *self.sizes))
 
 
 @functools.cache
@@ -279,81 +290,92 @@ def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return cdiv(max(k, 1), per_split), per_split
 
 
-def _launch_tma(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) -> None:
-    (m, k), n = a.shape, b.shape[1]
-    a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
-    b_desc = TensorDescriptor.from_tensor(b.t(), [config.block_n, config.block_k])  # (N, K)
-    c_desc = a_desc  # never read without TMA_STORE
-    if config.tma_store:
-        c_desc = TensorDescriptor.from_tensor(out, [config.block_m, config.block_n // 2])
-    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
-    programs = min(tiles, sm_count(a.device) if a.is_cuda else 4)  # 4 on the interpreter's CPU
-    launch(
-        perrow_w8a8_matmul_tma_kernel,
-        programs,
-        (a_desc, b_desc, c_desc, out, a_scale, b_scale, bias if bias is not None else b_scale,
-         m, n, k, programs, out.stride(0), out.stride(1)),
-        {
+class MatmulPlan:
+    """The GEMM with one configuration for one product: its launches built once (kernel,
+    constexprs, grid, sizes and strides), so a call only allocates what it must (split-K
+    partials, tensor descriptors) and launches. Built from the operands (M, K) ``a``, (K, N)
+    ``b`` and (M, N) ``out``, whose shapes and strides every call must share; it holds no
+    tensor."""
+
+    __slots__ = ("blocks", "epilogue", "grid", "kernel", "partials", "sizes", "tma", "tma_store")
+
+    def __init__(self, config: tuning.MatmulConfig, a, b, out, has_bias: bool):
+        (m, k), n = a.shape, b.shape[1]
+        self.tma, self.tma_store, self.partials = config.tma, config.tma_store, None
+        constexprs = {
             "BLOCK_M": config.block_m,
             "BLOCK_N": config.block_n,
             "BLOCK_K": config.block_k,
             "GROUP_M": config.group_m,
-            "HAS_BIAS": bias is not None,
-            "TMA_STORE": config.tma_store,
-            "SWAP_AB": config.swap_ab,
-        },
-        config.num_warps,
-        config.num_stages,
-        enable_fp_fusion=False,
-    )  # fmt: skip
+        }
+        tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
+        if config.tma:
+            self.blocks = (
+                [config.block_m, config.block_k],  # a
+                [config.block_n, config.block_k],  # b.T (N, K)
+                [config.block_m, config.block_n // 2],  # out, when TMA_STORE
+            )
+            self.grid = min(tiles, sm_count(a.device) if a.is_cuda else 4)  # 4: the interpreter
+            self.sizes = (m, n, k, self.grid, out.stride(0), out.stride(1))
+            constexprs |= {
+                "HAS_BIAS": has_bias,
+                "TMA_STORE": config.tma_store,
+                "SWAP_AB": config.swap_ab,
+            }
+            kernel = perrow_w8a8_matmul_tma_kernel
+        else:
+            splits, per_split = split_plan(k, config.block_k, config.split_k)
+            self.grid = (tiles, splits)
+            strides = (0, out.stride(0), out.stride(1))
+            if splits > 1:
+                self.partials = (splits, m, n)  # int32, summed by the epilogue kernel
+                strides = (m * n, n, 1)
+                block_m, block_n = 32, 128
+                self.epilogue = (
+                    Launch(
+                        splitk_epilogue_kernel,
+                        {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": has_bias},
+                        enable_fp_fusion=False,
+                    ),
+                    (cdiv(m, block_m), cdiv(n, block_n)),
+                    (m, n, splits, m * n, out.stride(0), out.stride(1)),
+                )
+            self.sizes = (
+                m, n, k, per_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), *strides
+            )  # fmt: skip
+            constexprs |= {
+                "PARTIALS": splits > 1,
+                "EVEN_K": k % config.block_k == 0,
+                "HAS_BIAS": has_bias,
+            }
+            kernel = perrow_w8a8_matmul_kernel
+        # enable_fp_fusion=False keeps `* a_scale * b_scale + bias` rounded as eager rounds it
+        self.kernel = Launch(
+            kernel, constexprs, config.num_warps, config.num_stages, enable_fp_fusion=False
+        )
+
+    def __call__(self, a, a_scale, b, b_scale, bias, out) -> None:
+        """``out = (a @ b) * a_scale[:, None] * b_scale + bias``; scales and bias contiguous."""
+        bias_arg = bias if bias is not None else b_scale  # never read without HAS_BIAS
+        if self.tma:
+            a_desc = TensorDescriptor.from_tensor(a, self.blocks[0])
+            b_desc = TensorDescriptor.from_tensor(b.t(), self.blocks[1])
+            c_desc = TensorDescriptor.from_tensor(out, self.blocks[2]) if self.tma_store else a_desc
+            args = (a_desc, b_desc, c_desc, out, a_scale, b_scale, bias_arg, *self.sizes)
+            self.kernel(self.grid, args)
+        elif self.partials is None:
+            self.kernel(self.grid, (a, b, out, a_scale, b_scale, bias_arg, *self.sizes))
+        else:
+            target = torch.empty(self.partials, dtype=torch.int32, device=a.device)
+            self.kernel(self.grid, (a, b, target, a_scale, b_scale, bias_arg, *self.sizes))
+            epilogue, grid, sizes = self.epilogue
+            epilogue(grid, (target, out, a_scale, b_scale, bias_arg, *sizes))
 
 
 def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) -> None:
     """Run the GEMM with one configuration into ``out`` (M, N); inputs already checked, and
     ``tma_applies(config, a, b, out)``."""
-    if config.tma:
-        _launch_tma(config, a, a_scale, b, b_scale, bias, out)
-        return
-    (m, k), n = a.shape, b.shape[1]
-    splits, per_split = split_plan(k, config.block_k, config.split_k)
-    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
-    has_bias = bias is not None
-    bias_arg = bias if has_bias else b_scale  # never read
-    if splits == 1:
-        target, strides = out, (0, out.stride(0), out.stride(1))
-    else:
-        target = torch.empty((splits, m, n), dtype=torch.int32, device=a.device)
-        strides = (m * n, n, 1)
-    launch(
-        perrow_w8a8_matmul_kernel,
-        (tiles, splits),
-        (a, b, target, a_scale, b_scale, bias_arg, m, n, k, per_split,
-         a.stride(0), a.stride(1), b.stride(0), b.stride(1), *strides),
-        {
-            "BLOCK_M": config.block_m,
-            "BLOCK_N": config.block_n,
-            "BLOCK_K": config.block_k,
-            "GROUP_M": config.group_m,
-            "PARTIALS": splits > 1,
-            "EVEN_K": k % config.block_k == 0,
-            "HAS_BIAS": has_bias,
-        },
-        config.num_warps,
-        config.num_stages,
-        enable_fp_fusion=False,  # keep `* a_scale * b_scale + bias` as eager rounds it
-    )  # fmt: skip
-    if splits > 1:
-        block_m, block_n = 32, 128
-        grid = (cdiv(m, block_m), cdiv(n, block_n))
-        launch(
-            splitk_epilogue_kernel,
-            grid,
-            (target, out, a_scale, b_scale, bias_arg, m, n, splits, m * n,
-             out.stride(0), out.stride(1)),
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": has_bias},
-            num_warps=4,
-            enable_fp_fusion=False,
-        )  # fmt: skip
+    MatmulPlan(config, a, b, out, bias is not None)(a, a_scale, b, b_scale, bias, out)
 
 
 def _on(device: torch.device):
@@ -364,13 +386,15 @@ def _on(device: torch.device):
     return nullcontext()
 
 
-def _matmul_into(a, a_scale, b, b_scale, bias, out) -> None:
+def _matmul_into(a, a_scale, b, b_scale, bias, out) -> MatmulPlan | None:
+    """The GEMM into ``out``; returns its plan where the next call of this shape may reuse it
+    (the configuration is final: tuned, or not tuned at all), else None."""
     (m, k), n = a.shape, b.shape[1]
     if m == 0 or n == 0:
-        return
+        return None
     if not a.is_cuda and not CPU_RUNS_TRITON:
         out.copy_(matmul_int8_reference(a, a_scale, b, b_scale, bias, out.dtype))
-        return
+        return None
     a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
     # Everything the choice of configuration depends on: M's bucket, N, K, the layouts, the
@@ -391,14 +415,22 @@ def _matmul_into(a, a_scale, b, b_scale, bias, out) -> None:
         b.data_ptr() % 16 == 0,
         out.data_ptr() % 16 == 0,
     )
+    plan_key = (key, m)  # a plan's grid is M's own
+    plan = tuning.plans.get(plan_key)
+    if plan is None:
+        with _on(a.device):
+            config = tuning.tuned(
+                key,
+                lambda: [c for c in tuning.matmul_candidates(m, n, k) if tma_applies(c, a, b, out)],
+                lambda c: launch_matmul(c, a, a_scale, b, b_scale, bias, out),
+                a.is_cuda,
+            )
+        plan = MatmulPlan(config, a, b, out, bias is not None)
+        if tuning.is_final(key, a.is_cuda):
+            tuning.remember(plan_key, plan)
     with _on(a.device):
-        config = tuning.tuned(
-            key,
-            lambda: [c for c in tuning.matmul_candidates(m, n, k) if tma_applies(c, a, b, out)],
-            lambda c: launch_matmul(c, a, a_scale, b, b_scale, bias, out),
-            a.is_cuda,
-        )
-        launch_matmul(config, a, a_scale, b, b_scale, bias, out)
+        plan(a, a_scale, b, b_scale, bias, out)
+    return plan if tuning.is_final(key, a.is_cuda) else None
 
 
 def matmul(a, a_scale, b, b_scale, bias=None) -> torch.Tensor:
@@ -419,14 +451,58 @@ def matmul_quantize(x, b, b_scale, bias=None) -> torch.Tensor:
     """The implementation of ``int8_matmul_quantize``: the quantizer, then the GEMM, behind one
     op call (one trip below autograd, or through the dispatcher, instead of two).
 
+    The first call of a product decides everything (checks, quantizer and GEMM configurations,
+    grids, sizes) and keeps it as a :class:`QuantizedMatmulPlan`; a later call whose operands
+    share every property those decisions read (shapes, strides, dtypes, devices, the weight's
+    alignment) only allocates and launches.
+
     A one-launch variant for decode, each program quantizing all the rows itself, was measured
     and dropped (DECISIONS.md): recomputing the quantization in every program cost more GPU time
     than the second launch saves."""
+    try:
+        key = (
+            x.shape, x.stride(), x.dtype, x.get_device(),
+            b.shape, b.stride(), b.dtype, b.get_device(), b.data_ptr() % 16 == 0,
+            b_scale.shape, b_scale.stride(), b_scale.dtype, b_scale.get_device(),
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
+        )  # fmt: skip
+    except AttributeError:  # not a tensor: the checks name it
+        key = None
+    plan = tuning.plans.get(key)
+    if plan is not None:
+        return plan(x, b, b_scale, bias)
     check_matmul_quantize_inputs(x, b, b_scale, bias)  # covers both steps' arguments
     q, scale = _quantize_checked(x)  # (M, K) int8, (M,) in x's dtype
     out = torch.empty((x.shape[0], b.shape[1]), dtype=x.dtype, device=x.device)
-    _matmul_into(q, scale, b, b_scale, bias, out)
+    matmul_plan = _matmul_into(q, scale, b, b_scale, bias, out)
+    if (
+        matmul_plan is not None
+        and x.shape[1] > 0
+        and b_scale.is_contiguous()
+        and (bias is None or bias.is_contiguous())
+    ):
+        tuning.remember(key, QuantizedMatmulPlan(x, b, matmul_plan))
     return out
+
+
+class QuantizedMatmulPlan:
+    """``int8_matmul_quantize`` decided for one product: allocate q, the scales and the output,
+    then launch the quantizer and the GEMM's planned launches."""
+
+    __slots__ = ("device", "dtype", "matmul", "out_shape", "q_shape", "quantize")
+
+    def __init__(self, x: torch.Tensor, b: torch.Tensor, matmul: MatmulPlan):
+        self.q_shape, self.out_shape = tuple(x.shape), (x.shape[0], b.shape[1])
+        self.dtype, self.device = x.dtype, x.device
+        self.quantize, self.matmul = QuantizePlan(x), matmul
+
+    def __call__(self, x, b, b_scale, bias) -> torch.Tensor:
+        q = torch.empty(self.q_shape, dtype=torch.int8, device=self.device)  # (M, K)
+        scale = torch.empty(self.q_shape[:1], dtype=self.dtype, device=self.device)  # (M,)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)  # (M, N)
+        self.quantize(x, q, scale)
+        self.matmul(q, scale, b, b_scale, bias, out)
+        return out
 
 
 # --- registration --------------------------------------------------------------------------------

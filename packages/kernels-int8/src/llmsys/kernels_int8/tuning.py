@@ -199,6 +199,26 @@ def tuned(
     return best
 
 
+def is_final(key: tuple, on_gpu: bool) -> bool:
+    """Whether ``tuned(key, ...)`` gives the same configuration from now on: tuned and cached,
+    or never tuned here (the interpreter, ``LLMSYS_INT8_AUTOTUNE=0``)."""
+    return key in _best or not on_gpu or not AUTOTUNE
+
+
+# The ops' plans (ops.MatmulPlan and its kin): launches decided once per product shape and
+# layout, built on final configurations. Bounded: a server's varying M adds a plan per length.
+plans: dict = {}
+MAX_PLANS = 4096
+
+
+def remember(key, plan) -> None:
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
 def clear_cache() -> None:
-    """Forget every tuned configuration (the next call of each shape tunes again)."""
+    """Forget every tuned configuration and every plan built on one (the next call of each
+    shape tunes again)."""
     _best.clear()
+    plans.clear()

@@ -40,13 +40,13 @@ def _valid(a, *others) -> bool:
     # None, a non-tensor, or a subclass: the full check decides.
     if type(a) is not torch.Tensor or a.dtype not in _SUPPORTED:
         return False
-    dtype, shape, device = a.dtype, a.shape, a.get_device()  # get_device: an int, cheap
+    dtype, device = a.dtype, a.get_device()  # get_device: an int, cheap
     for t in others:  # a loop, not a generator: this runs on every call
         if not (
             type(t) is torch.Tensor
-            and t.dtype == dtype
-            and t.shape == shape
+            and t.dtype is dtype
             and t.get_device() == device
+            and a.is_same_size(t)  # one call, where `.shape ==` builds two torch.Size
         ):
             return False
     return True

@@ -6,6 +6,7 @@ calls its ops), ``checks`` (argument checks whose errors name the argument), ``p
 
 from . import checks, precise
 from .launcher import (
+    Launch,
     cdiv,
     kernel_path,
     launch,
@@ -18,6 +19,7 @@ from .library import call_below_autograd, define_op, refuse_double_backward, wan
 __version__ = "0.4.0"
 
 __all__ = [
+    "Launch",
     "__version__",
     "call_below_autograd",
     "cdiv",

@@ -152,13 +152,19 @@ def launch(
     CPU tensors (under ``TRITON_INTERPRET=1``), a device other than the current one, and
     installed Triton launch hooks (profilers) take the ordinary launch.
     """
-    if type(grid) is int and grid > 0:
-        grid_x, grid_y, grid_z = grid, 1, 1
-    else:
-        sizes = _checked_grid(grid)
-        if sizes is None:  # a size of 0: nothing to launch
+    module = native.get()
+    key = None
+    if module is not None:  # the whole launch in C, when it can be had
+        key = module.launch(
+            _compiled, kernel, grid, args, constexprs, num_warps, num_stages, options
+        )
+        if key is True:
             return
-        grid_x, grid_y, grid_z = sizes + (1,) * (3 - len(sizes))
+    # A miss, a call the C launcher leaves to Python, or no C launcher.
+    sizes = _checked_grid(grid)
+    if sizes is None:  # a size of 0: nothing to launch
+        return
+    grid_x, grid_y, grid_z = sizes + (1,) * (3 - len(sizes))
     if type(args) is not tuple:
         args = tuple(args)
     first = args[0]
@@ -167,19 +173,9 @@ def launch(
         _check_order(kernel, args, constexprs)
         kernel[(grid_x, grid_y, grid_z)](*args, **constexprs)
         return
-    head = (kernel, device, num_warps, num_stages, *options.items())
-    module = native.get()
     fast = device == _current_device() and not _launch_hooks_installed()
-    key = None
-    if fast:
-        stream = _current_stream(device)
-        if module is not None:
-            key = module.launch_cached(
-                _compiled, head, grid_x, grid_y, grid_z, stream, args, constexprs
-            )
-            if key is True:  # the C launcher found the kernel and launched it
-                return
     if key is None:
+        head = (kernel, device, num_warps, num_stages, *options.items())
         key = module.key(head, args, constexprs) if module is not None else None
         if key is None:
             key = _python_key(head, args, constexprs)
@@ -202,7 +198,7 @@ def launch(
         grid_x,
         grid_y,
         grid_z,
-        stream,
+        _current_stream(device),
         compiled.function,
         compiled.packed_metadata,
         None,  # launch metadata, enter hook, exit hook: only for profiler hooks, checked above
@@ -211,3 +207,44 @@ def launch(
         *args,
         *constexprs.values(),
     )
+
+
+class Launch:
+    """``launch`` with the kernel and its compile-time choices fixed once: a call
+    ``prepared(grid, args)`` is ``launch(kernel, grid, args, constexprs, num_warps, num_stages,
+    **options)`` without building the constexpr and option dicts or the call's keywords each
+    time (a package keeps one per decided configuration, as in a per-shape plan)."""
+
+    __slots__ = ("constexprs", "kernel", "num_stages", "num_warps", "options")
+
+    def __init__(self, kernel, constexprs: dict, num_warps: int = 4, num_stages=None, **options):
+        self.kernel, self.constexprs = kernel, dict(constexprs)
+        self.num_warps, self.num_stages, self.options = num_warps, num_stages, options
+
+    def __call__(self, grid, args: tuple) -> None:
+        module = native.get()
+        if module is not None:
+            launched = module.launch(
+                _compiled,
+                self.kernel,
+                grid,
+                args,
+                self.constexprs,
+                self.num_warps,
+                self.num_stages,
+                self.options,
+            )
+            if launched is True:
+                return
+        launch(
+            self.kernel,
+            grid,
+            args,
+            self.constexprs,
+            self.num_warps,
+            self.num_stages,
+            **self.options,
+        )
+
+    def __repr__(self) -> str:
+        return f"Launch({self.kernel.__name__}, {self.constexprs}, num_warps={self.num_warps})"

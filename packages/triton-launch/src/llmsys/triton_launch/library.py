@@ -58,31 +58,43 @@ _profiling = torch._C._autograd._profiler_enabled
 _Tensor, _strided = torch.Tensor, torch.strided
 
 
-def _direct_call_ok(args: tuple) -> bool:
-    """True when the dispatcher, past autograd, would do nothing but call the op's impl: no
-    tracing, mode, transform or thread-local profiler, every tensor argument a strided tensor of
-    the Tensor class itself on CPU or CUDA, and every other argument an int, float, bool or
-    None. (Loops rather than generators: this runs on every call.)
-
-    Observers that hook into the dispatcher globally rather than per thread (a standalone
-    ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
-    (a function mode) sends every call through the op."""
-    if (
+def _thread_state_plain() -> bool:
+    """No tracing, mode, transform or thread-local profiler on this thread."""
+    return not (
         _is_compiling()  # first: dynamo folds it and skips the rest
         or _dispatch_modes()
         or _function_mode()
         or _functorch_layers() is not None
         or _tracing_state() is not None
         or _profiling()
-    ):
-        return False
+    )
+
+
+def _direct_call_ok(args: tuple) -> bool:
+    """True when the dispatcher, past autograd, would do nothing but call the op's impl: no
+    tracing, mode, transform or thread-local profiler, every tensor argument a strided tensor of
+    the Tensor class itself on CPU or CUDA, and every other argument an int, float, bool or
+    None.
+
+    Observers that hook into the dispatcher globally rather than per thread (a standalone
+    ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
+    (a function mode) sends every call through the op."""
+    return _thread_state_plain() and _plain_arguments(args) is not None
+
+
+def _plain_arguments(args: tuple) -> bool | None:
+    """None unless every tensor argument is a strided tensor of the Tensor class itself on CPU
+    or CUDA and every other argument an int, float, bool or None; else whether a tensor
+    requires grad. (A loop rather than a generator: this runs on every call.)"""
+    requires_grad = False
     for arg in args:
         if type(arg) is _Tensor:
             if not ((arg.is_cuda or arg.is_cpu) and arg.layout is _strided):
-                return False
+                return None
+            requires_grad = requires_grad or arg.requires_grad
         elif type(arg) not in _PLAIN_TYPES:  # a subclass, a proxy, anything else: the op
-            return False
-    return True
+            return None
+    return requires_grad
 
 
 def wants_grad(*args) -> bool:
@@ -95,9 +107,12 @@ def wants_grad(*args) -> bool:
     pybind call, about 1 us on an H100 host, DECISIONS.md)."""
     for arg in args:
         if isinstance(arg, torch.Tensor) and arg.requires_grad:
-            break
-    else:
-        return False
+            return _autograd_records()
+    return False
+
+
+def _autograd_records() -> bool:
+    """Grad mode on, and autograd not switched off for this thread."""
     if not torch.is_grad_enabled():
         return False
     # (dynamo cannot trace the dispatch-key test; a compiled graph is never below autograd)
@@ -119,12 +134,15 @@ def refuse_double_backward(name: str) -> None:
 def call_below_autograd(op, *args):
     """Call ``op`` where autograd has nothing to record: from an ``autograd.Function``'s forward
     or backward, or where no argument requires grad. Its impl directly when that is all the
-    dispatcher would do, else the op. A backward run with ``create_graph=True`` (grad mode on,
-    saved inputs requiring grad) goes through the op, so its autograd sees the call as it would
+    dispatcher would do (``_direct_call_ok`` and not ``wants_grad``, tested in one pass over the
+    arguments), else the op. A backward run with ``create_graph=True`` (grad mode on, saved
+    inputs requiring grad) goes through the op, so its autograd sees the call as it would
     without this shortcut."""
     impl = _impls.get(op)
     if impl is None:
         raise ValueError(f"call_below_autograd: `op` must be an op made by define_op, got {op}")
-    if not wants_grad(*args) and _direct_call_ok(args):
-        return impl(*args)
+    if _thread_state_plain():
+        requires_grad = _plain_arguments(args)
+        if requires_grad is False or (requires_grad and not _autograd_records()):
+            return impl(*args)
     return op(*args)

@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import triton
 
 SOURCE = Path(__file__).with_name("native_launch.c")
 # Triton signature types -> native_launch.c's kinds (pointers, integers, floats, constexprs).
@@ -72,7 +73,12 @@ def get():
         return None
     try:
         module = load(build())
-        module.init(torch.Tensor)
+        module.init(
+            torch.Tensor,
+            getattr(torch._C, "_cuda_getDevice", None),  # None in a CPU-only build of torch
+            getattr(torch._C, "_cuda_getCurrentRawStream", None),
+            triton.knobs.runtime,
+        )
         return module
     except Exception as error:  # any failure to build or load: the Python launch still works
         warnings.warn(

@@ -8,12 +8,17 @@
  * buffers, launch hooks, clusters, cooperative grids or programmatic dependent launch, and CUDA
  * tensors on the current device.
  *
- *   init(tensor_type)          once: torch.Tensor, so tensors are recognised in C
- *   launch_cached(cache, head, grid_x, grid_y, grid_z, stream, args, constexprs)
+ *   init(tensor_type, current_device, current_stream, runtime_knobs)
+ *       once: torch.Tensor (so tensors are recognised in C); torch's current-device and
+ *       current-stream functions and Triton's runtime knobs (launch hooks), or None each
+ *   launch(cache, kernel, grid, args, constexprs, num_warps, num_stages, options)
  *       -> True: launched. Else the specialization key (a tuple): launcher.py compiles (a miss)
  *          or launches through Triton (an entry without kinds, or no current CUDA context).
- *          None: an argument this key does not cover (launcher.py keys it in Python).
- *   key(head, args, constexprs) -> the same key, or None
+ *          None: a call launcher.py handles whole: a grid of other than 1 to 3 positive ints,
+ *          a first argument that is not a CUDA tensor of the current device, launch hooks
+ *          installed, or an argument the key does not cover.
+ *   key(head, args, constexprs) -> the same key (head: kernel, device, num_warps, num_stages,
+ *          then one (name, value) pair per option), or None
  *   pack(kinds, *args) -> bytes            (the parameter bytes, for tests without a GPU)
  *
  * The key is head + one entry per argument + the constexpr values. Triton specializes a pointer
@@ -149,17 +154,29 @@ static int read_kinds(PyObject *obj, Py_ssize_t n_args, const char **kinds, Py_s
 }
 
 static PyObject *tensor_type = NULL;
-static PyObject *dtype_name = NULL;
-static PyObject *data_ptr_name = NULL;
+static PyObject *current_device = NULL; /* torch._C._cuda_getDevice, or None */
+static PyObject *current_stream = NULL; /* torch._C._cuda_getCurrentRawStream, or None */
+static PyObject *runtime_knobs = NULL;  /* triton.knobs.runtime, or None */
+static PyObject *dtype_name = NULL, *data_ptr_name = NULL, *get_device_name = NULL;
+static PyObject *enter_hook_name = NULL, *calls_name = NULL;
 
 static PyObject *init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 1 || !PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "native_launch.init: expected torch.Tensor");
+    if (nargs != 4 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "native_launch.init(torch.Tensor, current_device, "
+                        "current_stream, runtime_knobs)");
         return NULL;
     }
     Py_XSETREF(tensor_type, Py_NewRef(args[0]));
-    if (dtype_name == NULL) dtype_name = PyUnicode_InternFromString("dtype");
-    if (data_ptr_name == NULL) data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    Py_XSETREF(current_device, Py_NewRef(args[1]));
+    Py_XSETREF(current_stream, Py_NewRef(args[2]));
+    Py_XSETREF(runtime_knobs, Py_NewRef(args[3]));
+    if (dtype_name == NULL) {
+        dtype_name = PyUnicode_InternFromString("dtype");
+        data_ptr_name = PyUnicode_InternFromString("data_ptr");
+        get_device_name = PyUnicode_InternFromString("get_device");
+        enter_hook_name = PyUnicode_InternFromString("launch_enter_hook");
+        calls_name = PyUnicode_InternFromString("calls");
+    }
     Py_RETURN_NONE;
 }
 
@@ -230,15 +247,101 @@ static PyObject *key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return result;
 }
 
-static PyObject *launch_cached(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8 || !PyDict_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "native_launch.launch_cached: "
-                        "(cache, head, grid_x, grid_y, grid_z, stream, args, constexprs)");
+/* A positive C int from a Python int, or 0 (no error set) for anything else. */
+static unsigned grid_size(PyObject *size) {
+    if (!PyLong_CheckExact(size)) return 0;
+    long value = PyLong_AsLong(size);
+    if (value == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return value > 0 && value <= 0x7fffffff ? (unsigned)value : 0;
+}
+
+/* Whether Triton's launch hooks are installed (a profiler): launcher.py then takes Triton's
+ * launch, which calls them. -1 on an error. */
+static int hooks_installed(void) {
+    if (runtime_knobs == Py_None) return 0;
+    PyObject *hook = PyObject_GetAttr(runtime_knobs, enter_hook_name);
+    if (hook == NULL) return -1;
+    PyObject *calls = PyObject_GetAttr(hook, calls_name); /* a HookChain's list of hooks */
+    if (calls == NULL) {
+        PyErr_Clear();
+        calls = Py_NewRef(hook); /* an older Triton: the hook itself, or None */
+    }
+    int installed = PyObject_IsTrue(calls);
+    Py_DECREF(calls);
+    Py_DECREF(hook);
+    return installed;
+}
+
+/* The CUDA device of a tensor on the current device, or -1 (no error set) for anything else. */
+static long launch_device(PyObject *first) {
+    if (current_device == Py_None || current_stream == Py_None ||
+        !PyObject_TypeCheck(first, (PyTypeObject *)tensor_type))
+        return -1;
+    PyObject *index = PyObject_CallMethodNoArgs(first, get_device_name);
+    if (index == NULL) return -2;
+    long device = PyLong_AsLong(index);
+    Py_DECREF(index);
+    if (device < 0) return PyErr_Occurred() ? -2 : -1;
+    PyObject *current = PyObject_CallNoArgs(current_device);
+    if (current == NULL) return -2;
+    long current_index = PyLong_AsLong(current);
+    Py_DECREF(current);
+    if (current_index == -1 && PyErr_Occurred()) return -2;
+    return device == current_index ? device : -1;
+}
+
+static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8 || !PyDict_Check(args[0]) || !PyDict_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "native_launch.launch(cache, kernel, grid, args, "
+                        "constexprs, num_warps, num_stages, options: dict)");
         return NULL;
     }
+    PyObject *grid = args[2], *kernel_args = args[3], *constexprs = args[4], *options = args[7];
+    unsigned sizes[3] = {1, 1, 1};
+    if (PyTuple_Check(grid)) {
+        Py_ssize_t n = PyTuple_GET_SIZE(grid);
+        if (n < 1 || n > 3) Py_RETURN_NONE;
+        for (Py_ssize_t i = 0; i < n; ++i)
+            if ((sizes[i] = grid_size(PyTuple_GET_ITEM(grid, i))) == 0) Py_RETURN_NONE;
+    } else if ((sizes[0] = grid_size(grid)) == 0) {
+        Py_RETURN_NONE; /* 0, negative, not an int: launcher.py launches nothing or names it */
+    }
+    if (!PyTuple_Check(kernel_args) || PyTuple_GET_SIZE(kernel_args) == 0) Py_RETURN_NONE;
+    long device = launch_device(PyTuple_GET_ITEM(kernel_args, 0));
+    if (device == -2) return NULL;
+    if (device < 0) Py_RETURN_NONE;
+    int hooked = hooks_installed();
+    if (hooked < 0) return NULL;
+    if (hooked) Py_RETURN_NONE;
+
+    PyObject *device_obj = PyLong_FromLong(device);
+    if (device_obj == NULL) return NULL;
+    PyObject *stream_obj = PyObject_CallOneArg(current_stream, device_obj);
+    void *stream = stream_obj == NULL ? NULL : PyLong_AsVoidPtr(stream_obj);
+    Py_XDECREF(stream_obj);
+    if (PyErr_Occurred()) { Py_DECREF(device_obj); return NULL; }
+
+    /* The head of the key: kernel, device, num_warps, num_stages, (name, value) per option. */
+    Py_ssize_t n_options = PyDict_GET_SIZE(options);
+    PyObject *head = PyTuple_New(4 + n_options);
+    if (head == NULL) { Py_DECREF(device_obj); return NULL; }
+    PyTuple_SET_ITEM(head, 0, Py_NewRef(args[1]));
+    PyTuple_SET_ITEM(head, 1, device_obj); /* the tuple takes the reference */
+    PyTuple_SET_ITEM(head, 2, Py_NewRef(args[5]));
+    PyTuple_SET_ITEM(head, 3, Py_NewRef(args[6]));
+    Py_ssize_t position = 0, i = 4;
+    PyObject *name, *value;
+    while (PyDict_Next(options, &position, &name, &value)) {
+        PyObject *pair = PyTuple_Pack(2, name, value);
+        if (pair == NULL) { Py_DECREF(head); return NULL; }
+        PyTuple_SET_ITEM(head, i++, pair);
+    }
     uint64_t ptrs[MAX_PARAMS];
-    PyObject *kernel_args = args[6];
-    PyObject *key = make_key(args[1], kernel_args, args[7], ptrs);
+    PyObject *key = make_key(head, kernel_args, constexprs, ptrs);
+    Py_DECREF(head);
     if (key == NULL) {
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
@@ -253,8 +356,8 @@ static PyObject *launch_cached(PyObject *self, PyObject *const *args, Py_ssize_t
     const char *kinds = PyBytes_AS_STRING(kinds_obj);
     Py_ssize_t n_kinds = PyBytes_GET_SIZE(kinds_obj), n_args = PyTuple_GET_SIZE(kernel_args);
     if (n_kinds < n_args) return key;
-    for (Py_ssize_t i = n_args; i < n_kinds; ++i)
-        if (kinds[i] != '-') return key; /* a constexpr that is a parameter: Triton's launcher */
+    for (Py_ssize_t j = n_args; j < n_kinds; ++j)
+        if (kinds[j] != '-') return key; /* a constexpr that is a parameter: Triton's launcher */
     Slot slots[MAX_PARAMS];
     void *params[MAX_PARAMS];
     if (pack_params(kinds, n_args, &PyTuple_GET_ITEM(kernel_args, 0), ptrs, slots, params) < 0) {
@@ -264,18 +367,14 @@ static PyObject *launch_cached(PyObject *self, PyObject *const *args, Py_ssize_t
     void *function = PyLong_AsVoidPtr(PyTuple_GET_ITEM(entry, 4));
     unsigned threads = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(entry, 2));
     unsigned shared = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(entry, 3));
-    unsigned grid_x = (unsigned)PyLong_AsUnsignedLong(args[2]);
-    unsigned grid_y = (unsigned)PyLong_AsUnsignedLong(args[3]);
-    unsigned grid_z = (unsigned)PyLong_AsUnsignedLong(args[4]);
-    void *stream = PyLong_AsVoidPtr(args[5]);
     if (PyErr_Occurred() || (cu_launch_kernel == NULL && !load_driver())) {
         Py_DECREF(key);
         return NULL;
     }
     CUresult status;
     Py_BEGIN_ALLOW_THREADS;
-    status = cu_launch_kernel(function, grid_x, grid_y, grid_z, threads, 1, 1, shared, stream,
-                              params, NULL);
+    status = cu_launch_kernel(function, sizes[0], sizes[1], sizes[2], threads, 1, 1, shared,
+                              stream, params, NULL);
     Py_END_ALLOW_THREADS;
     if (status == 201) return key; /* no current context on this thread: Triton's launcher */
     Py_DECREF(key);
@@ -324,7 +423,7 @@ static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 static PyMethodDef methods[] = {
     {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL, "Set the tensor type."},
     {"key", (PyCFunction)(void (*)(void))key, METH_FASTCALL, "The specialization key."},
-    {"launch_cached", (PyCFunction)(void (*)(void))launch_cached, METH_FASTCALL,
+    {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "Look the specialization up and launch it."},
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, "The packed parameter bytes."},
     {NULL, NULL, 0, NULL},
