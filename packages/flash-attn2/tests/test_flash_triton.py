@@ -283,6 +283,26 @@ def test_a_planned_forward_is_replanned_when_the_problem_changes(device, poisone
     assert len(ops._forward_plans) == len(problems) - 1
 
 
+@pytest.mark.parametrize(
+    ("q_shape", "kv_shape"),
+    [((1, 4, 33, 16), (1, 2, 33, 16)), ((2, 21, 16), (2, 40, 16))],
+    ids=["gqa", "3-D"],
+)
+def test_a_planned_backward_gives_the_spec_on_every_call(q_shape, kv_shape, device):
+    """Fresh inputs three times per problem (the later calls take the forward's and the
+    backward's plans), the last with the stride-0 gradient of ``out.sum()``."""
+    ops._backward_plans.clear()
+    for call in range(3):
+        q, k, v = make_qkv(q_shape, kv_shape, device=device)
+        grad_out = torch.randn(q_shape, device=device)
+        if call == 2:
+            grad_out = torch.ones(1, device=device).expand(q_shape)
+        got = run_with_grads(attention_fn(True), q, k, v, grad_out)
+        ref_out, _, *ref_grads = reference_with_grads(q, k, v, grad_out, True)
+        assert_matches_spec(got, (ref_out, *ref_grads), torch.float32, device)
+    assert len(ops._backward_plans) == 2  # the dense and the stride-0 gradient
+
+
 def test_a_planned_forward_still_names_bad_arguments(device):
     q, k, v = (t.detach() for t in make_qkv((1, 2, 16, 16), (1, 2, 16, 16), device=device))
     flash_attention(q, k, v, causal=True, scale=0.5)

@@ -20,10 +20,10 @@ from llmsys.kernels_int8 import (
     matmul_int8_reference,
     matmul_quantize_int8,
     matmul_quantize_int8_reference,
-    quantize_int8_perrow_reference,
     ops,
     quantize_int8,
     quantize_int8_perrow,
+    quantize_int8_perrow_reference,
     tuning,
 )
 

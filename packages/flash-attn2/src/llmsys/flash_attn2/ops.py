@@ -27,7 +27,6 @@ from llmsys.triton_launch import (
     cdiv,
     checks,
     define_op,
-    launch,
     next_power_of_2,
     runs_under_interpreter,
 )
@@ -331,10 +330,28 @@ def flash_attn2_bwd_impl(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: ``(dq, dk, dv)``, contiguous, in the shapes and dtype of q, k, v."""
+    """Backward: ``(dq, dk, dv)``, contiguous, in the shapes and dtype of q, k, v.
+
+    Planned as the forward is (:class:`BackwardPlan`), by the properties of all six tensors."""
+    try:
+        key = (
+            grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.get_device(),
+            q.shape, q.stride(), q.dtype, q.get_device(),
+            k.shape, k.stride(), k.dtype, k.get_device(),
+            v.shape, v.stride(), v.dtype, v.get_device(),
+            out.shape, out.stride(), out.dtype, out.get_device(),
+            lse.shape, lse.stride(), lse.dtype, lse.get_device(),
+            causal if type(causal) is bool else None,
+        )  # fmt: skip
+    except (AttributeError, TypeError):  # not a tensor: the checks name it
+        key = None
+    plan = _backward_plans.get(key)
+    if plan is not None and type(scale) in (int, float) and math.isfinite(scale):
+        return plan(grad_out, q, k, v, out, lse, scale)
     check_inputs("flash_attn2_bwd", q, k, v, causal, scale)
     check_grad_out("flash_attn2_bwd", grad_out, out)
-    if grad_out.dtype != q.dtype:
+    same_dtype = grad_out.dtype == q.dtype
+    if not same_dtype:
         grad_out = grad_out.to(q.dtype)
     q4, k4, v4, o4, do4 = (_as_4d(t) for t in (q, k, v, out, grad_out))
     lse3 = lse if lse.dim() == 3 else lse.unsqueeze(1)
@@ -349,39 +366,86 @@ def flash_attn2_bwd_impl(
             (dq, dk, dv), _fallback_backward(do4, q4, k4, v4, o4, lse3, causal, scale), strict=True
         ):
             buffer.copy_(grad)
-    else:
+    elif same_dtype and lse3.is_contiguous() and _rows_fit_int32(q4, k4, v4, o4, do4):
+        plan = BackwardPlan(do4, q4, k4, v4, o4, causal)
+        if len(_backward_plans) >= MAX_PLANS:
+            _backward_plans.clear()
+        _backward_plans[key] = plan
+        plan.launch(grad_out, q, k, v, out, lse, dq, dk, dv, scale)
+    else:  # rare: every call takes this path
         if not _rows_fit_int32(q4, k4, v4, o4, do4):
             q4, k4, v4, o4, do4 = (t.contiguous() for t in (q4, k4, v4, o4, do4))
         lse3 = lse3.contiguous()
-        _launch_backward(do4, q4, k4, v4, o4, lse3, dq, dk, dv, causal, scale)
+        plan = BackwardPlan(do4, q4, k4, v4, o4, causal)
+        plan.launch(do4, q4, k4, v4, o4, lse3, dq, dk, dv, scale)
     if q.dim() == 3:
         return dq.squeeze(1), dk.squeeze(1), dv.squeeze(1)
     return dq, dk, dv
 
 
-def _launch_backward(do4, q4, k4, v4, o4, lse, dq, dk, dv, causal, scale) -> None:
-    batch, heads, n_q, d = q4.shape
-    kv_heads, n_k = k4.shape[1], k4.shape[2]
-    group = heads // kv_heads
-    _, dkdv_config, dq_config = tile_configs(d, q4.dtype)
-    dq_config, dq_grid = _grid(dq_config, batch * heads, cdiv(n_q, dq_config.block_m))
-    n_key_tiles = cdiv(n_k, dkdv_config.block_n)
-    dkdv_config, dkdv_grid = _grid(dkdv_config, batch * kv_heads, n_key_tiles)
-    delta = _alloc((batch, heads, n_q), torch.float32, q4.device)  # written by the dQ kernel
-    launch(
-        kernels.attn_bwd_dq_kernel,
-        dq_grid,
-        (q4, k4, v4, o4, do4, lse, delta, dq, *q4.stride(), *k4.stride(), *v4.stride(),
-         *o4.stride(), *do4.stride(), *dq.stride(), heads, group, n_q, n_k, float(scale)),
-        _meta(q4, dq_config, causal), dq_config.num_warps, dq_config.num_stages,
-    )  # fmt: skip
-    launch(
-        kernels.attn_bwd_dkdv_kernel,
-        dkdv_grid,
-        (q4, k4, v4, do4, lse, delta, dk, dv, *q4.stride(), *k4.stride(), *v4.stride(),
-         *do4.stride(), *dk.stride(), *dv.stride(), kv_heads, group, n_q, n_k, float(scale)),
-        _meta(q4, dkdv_config, causal), dkdv_config.num_warps, dkdv_config.num_stages,
-    )  # fmt: skip
+_backward_plans: dict[tuple, BackwardPlan] = {}
+
+
+class BackwardPlan:
+    """The backward's two launches for one problem (4-D views of checked inputs, ``lse``
+    contiguous): tiles, constexprs, grids, strides and sizes decided once; it holds no
+    tensor. The dQ kernel also writes ``delta = rowsum(dO * O)`` for the dK/dV kernel."""
+
+    __slots__ = ("delta_shape", "device", "dkdv", "dq", "dtype", "shapes")
+
+    def __init__(self, do4, q4, k4, v4, o4, causal: bool):
+        batch, heads, n_q, d = q4.shape
+        kv_heads, n_k = k4.shape[1], k4.shape[2]
+        group = heads // kv_heads
+        self.dtype, self.device = q4.dtype, q4.device
+        self.shapes = tuple(tuple(t.shape) for t in (q4, k4, v4))
+        self.delta_shape = (batch, heads, n_q)
+        _, dkdv_config, dq_config = tile_configs(d, q4.dtype)
+        dq_config, dq_grid = _grid(dq_config, batch * heads, cdiv(n_q, dq_config.block_m))
+        dkdv_config, dkdv_grid = _grid(
+            dkdv_config, batch * kv_heads, cdiv(n_k, dkdv_config.block_n)
+        )
+        q_strides = (heads * n_q * d, n_q * d, d, 1)  # dq, dk, dv are contiguous
+        kv_strides = (kv_heads * n_k * d, n_k * d, d, 1)
+        dq_sizes = (*q4.stride(), *k4.stride(), *v4.stride(), *o4.stride(), *do4.stride())
+        dq_sizes += (*q_strides, heads, group, n_q, n_k)
+        dkdv_sizes = (*q4.stride(), *k4.stride(), *v4.stride(), *do4.stride())
+        dkdv_sizes += (*kv_strides, *kv_strides, kv_heads, group, n_q, n_k)
+        self.dq = (
+            Launch(
+                kernels.attn_bwd_dq_kernel,
+                _meta(q4, dq_config, causal),
+                dq_config.num_warps,
+                dq_config.num_stages,
+            ),
+            dq_grid,
+            dq_sizes,
+        )
+        self.dkdv = (
+            Launch(
+                kernels.attn_bwd_dkdv_kernel,
+                _meta(q4, dkdv_config, causal),
+                dkdv_config.num_warps,
+                dkdv_config.num_stages,
+            ),
+            dkdv_grid,
+            dkdv_sizes,
+        )
+
+    def launch(self, do, q, k, v, o, lse, dq, dk, dv, scale: float) -> None:
+        # every tensor in any of its shapes: the kernels read pointers, with the 4-D strides
+        delta = _alloc(self.delta_shape, torch.float32, self.device)  # written by the dQ kernel
+        kernel, grid, sizes = self.dq
+        kernel(grid, (q, k, v, o, do, lse, delta, dq, *sizes, float(scale)))
+        kernel, grid, sizes = self.dkdv
+        kernel(grid, (q, k, v, do, lse, delta, dk, dv, *sizes, float(scale)))
+
+    def __call__(self, grad_out, q, k, v, out, lse, scale: float):
+        dq, dk, dv = (_alloc(shape, self.dtype, self.device) for shape in self.shapes)
+        self.launch(grad_out, q, k, v, out, lse, dq, dk, dv, scale)
+        if q.dim() == 3:
+            return dq.squeeze(1), dk.squeeze(1), dv.squeeze(1)
+        return dq, dk, dv
 
 
 # --- registration --------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from llmsys.triton_launch import checks, define_op, launch, runs_under_interpreter
+from llmsys.triton_launch import Launch, checks, define_op, runs_under_interpreter
 
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import swiglu_backward_reference, swiglu_reference
@@ -67,12 +67,20 @@ def launch_config(n_elements: int) -> tuple[int, int]:
     return 4096, 8
 
 
+_launches: dict[tuple, Launch] = {}  # (kernel, block, float64?, on CUDA?) -> its Launch
+
+
 def _launch(kernel, tensors: tuple[torch.Tensor, ...], n: int) -> None:
     block, num_warps = launch_config(n)
-    compute = tl.float64 if tensors[0].dtype == torch.float64 else tl.float32
-    # libdevice's exp on the GPU; the interpreter has none (kernels._exp_neg).
-    constexprs = {"COMPUTE_DTYPE": compute, "PRECISE": tensors[0].is_cuda, "BLOCK_SIZE": block}
-    launch(kernel, (n + block - 1) // block, (*tensors, n), constexprs, num_warps=num_warps)
+    first = tensors[0]
+    key = (kernel, block, first.dtype is torch.float64, first.is_cuda)
+    prepared = _launches.get(key)
+    if prepared is None:
+        compute = tl.float64 if key[2] else tl.float32
+        # libdevice's exp on the GPU; the interpreter has none (kernels._exp_neg).
+        constexprs = {"COMPUTE_DTYPE": compute, "PRECISE": key[3], "BLOCK_SIZE": block}
+        prepared = _launches[key] = Launch(kernel, constexprs, num_warps)
+    prepared((n + block - 1) // block, (*tensors, n))
 
 
 def _swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import native
+
 DEVICES = ("CPU", "CUDA")
 
 _impls: dict = {}  # op (OpOverload) -> the Python implementation define_op registered for it
@@ -70,6 +72,33 @@ def _thread_state_plain() -> bool:
     )
 
 
+_THREAD_TESTS = (  # (_is_compiling is asked first, in Python: dynamo folds it)
+    _dispatch_modes,
+    _function_mode,
+    _functorch_layers,
+    _tracing_state,
+    _profiling,
+)  # each returns a false value on a plain thread (0, False or None)
+
+
+def _plain_call(args: tuple) -> bool | None:
+    """False when the impl may be called directly with ``args``: the dispatcher, past
+    autograd, would do nothing but call it (``_direct_call_ok``) and autograd records nothing.
+    True: a tensor requires grad and autograd records. None: anything else (the op).
+
+    One C call where the C launcher is built (``native_launch.plain``, the same test); else
+    the Python below."""
+    if _is_compiling():
+        return None
+    module = native.get()
+    if module is not None:
+        return module.plain(args, _THREAD_TESTS, _autograd_records, _strided)
+    if not _thread_state_plain():
+        return None
+    requires_grad = _plain_arguments(args)
+    return requires_grad and _autograd_records()
+
+
 def _direct_call_ok(args: tuple) -> bool:
     """True when the dispatcher, past autograd, would do nothing but call the op's impl: no
     tracing, mode, transform or thread-local profiler, every tensor argument a strided tensor of
@@ -79,7 +108,7 @@ def _direct_call_ok(args: tuple) -> bool:
     Observers that hook into the dispatcher globally rather than per thread (a standalone
     ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
     (a function mode) sends every call through the op."""
-    return _thread_state_plain() and _plain_arguments(args) is not None
+    return _plain_call(args) is not None
 
 
 def _plain_arguments(args: tuple) -> bool | None:
@@ -134,15 +163,12 @@ def refuse_double_backward(name: str) -> None:
 def call_below_autograd(op, *args):
     """Call ``op`` where autograd has nothing to record: from an ``autograd.Function``'s forward
     or backward, or where no argument requires grad. Its impl directly when that is all the
-    dispatcher would do (``_direct_call_ok`` and not ``wants_grad``, tested in one pass over the
-    arguments), else the op. A backward run with ``create_graph=True`` (grad mode on, saved
-    inputs requiring grad) goes through the op, so its autograd sees the call as it would
-    without this shortcut."""
+    dispatcher would do and autograd records nothing (``_plain_call``), else the op. A backward
+    run with ``create_graph=True`` (grad mode on, saved inputs requiring grad) goes through the
+    op, so its autograd sees the call as it would without this shortcut."""
     impl = _impls.get(op)
     if impl is None:
         raise ValueError(f"call_below_autograd: `op` must be an op made by define_op, got {op}")
-    if _thread_state_plain():
-        requires_grad = _plain_arguments(args)
-        if requires_grad is False or (requires_grad and not _autograd_records()):
-            return impl(*args)
+    if _plain_call(args) is False:
+        return impl(*args)
     return op(*args)

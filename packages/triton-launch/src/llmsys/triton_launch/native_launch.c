@@ -20,6 +20,13 @@
  *   key(head, args, constexprs) -> the same key (head: kernel, device, num_warps, num_stages,
  *          then one (name, value) pair per option), or None
  *   pack(kinds, *args) -> bytes            (the parameter bytes, for tests without a GPU)
+ *   plain(args, tests, autograd_records, strided)
+ *       -> False: an op's impl may be called directly with args (library.py's test, in C):
+ *          every one of `tests` (zero-argument callables: modes, tracing, profiler) returns a
+ *          false value, every argument is a strided CPU or CUDA tensor of the tensor type
+ *          itself, an int, a float, a bool or None, and autograd records nothing (no tensor
+ *          requires grad, or autograd_records() is false). True: a tensor requires grad and
+ *          autograd records. None: anything else.
  *
  * The key is head + one entry per argument + the constexpr values. Triton specializes a pointer
  * on its dtype and 16-byte alignment, an int on being 1, on divisibility by 16 and on its width:
@@ -159,6 +166,8 @@ static PyObject *current_stream = NULL; /* torch._C._cuda_getCurrentRawStream, o
 static PyObject *runtime_knobs = NULL;  /* triton.knobs.runtime, or None */
 static PyObject *dtype_name = NULL, *data_ptr_name = NULL, *get_device_name = NULL;
 static PyObject *enter_hook_name = NULL, *calls_name = NULL;
+static PyObject *is_cuda_name = NULL, *is_cpu_name = NULL, *layout_name = NULL;
+static PyObject *requires_grad_name = NULL;
 
 static PyObject *init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PyType_Check(args[0])) {
@@ -176,6 +185,10 @@ static PyObject *init(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         get_device_name = PyUnicode_InternFromString("get_device");
         enter_hook_name = PyUnicode_InternFromString("launch_enter_hook");
         calls_name = PyUnicode_InternFromString("calls");
+        is_cuda_name = PyUnicode_InternFromString("is_cuda");
+        is_cpu_name = PyUnicode_InternFromString("is_cpu");
+        layout_name = PyUnicode_InternFromString("layout");
+        requires_grad_name = PyUnicode_InternFromString("requires_grad");
     }
     Py_RETURN_NONE;
 }
@@ -388,6 +401,65 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
+/* The truth of obj.name, or -1 on an error. */
+static int attribute_true(PyObject *obj, PyObject *name) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) return -1;
+    int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    return truth;
+}
+
+static PyObject *plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "native_launch.plain(args: tuple, tests: tuple, autograd_records, strided)");
+        return NULL;
+    }
+    if (tensor_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "native_launch: init() was not called");
+        return NULL;
+    }
+    PyObject *tests = args[1];
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tests); ++i) {
+        PyObject *result = PyObject_CallNoArgs(PyTuple_GET_ITEM(tests, i));
+        if (result == NULL) return NULL;
+        int active = PyObject_IsTrue(result);
+        Py_DECREF(result);
+        if (active < 0) return NULL;
+        if (active) Py_RETURN_NONE;
+    }
+    PyObject *call_args = args[0];
+    int requires_grad = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(call_args); ++i) {
+        PyObject *arg = PyTuple_GET_ITEM(call_args, i);
+        if (Py_TYPE(arg) == (PyTypeObject *)tensor_type) {
+            int on_device = attribute_true(arg, is_cuda_name);
+            if (on_device == 0) on_device = attribute_true(arg, is_cpu_name);
+            if (on_device < 0) return NULL;
+            if (!on_device) Py_RETURN_NONE;
+            PyObject *layout = PyObject_GetAttr(arg, layout_name);
+            if (layout == NULL) return NULL;
+            Py_DECREF(layout); /* compared by identity, as torch.strided is one object */
+            if (layout != args[3]) Py_RETURN_NONE;
+            if (!requires_grad) {
+                requires_grad = attribute_true(arg, requires_grad_name);
+                if (requires_grad < 0) return NULL;
+            }
+        } else if (!(arg == Py_None || PyBool_Check(arg) || PyLong_CheckExact(arg) ||
+                     PyFloat_CheckExact(arg))) {
+            Py_RETURN_NONE; /* a subclass, a proxy, anything else: the op */
+        }
+    }
+    if (!requires_grad) Py_RETURN_FALSE;
+    PyObject *records = PyObject_CallNoArgs(args[2]);
+    if (records == NULL) return NULL;
+    int recorded = PyObject_IsTrue(records);
+    Py_DECREF(records);
+    if (recorded < 0) return NULL;
+    return PyBool_FromLong(recorded);
+}
+
 static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1) {
         PyErr_SetString(PyExc_TypeError, "native_launch.pack: too few arguments");
@@ -426,6 +498,8 @@ static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "Look the specialization up and launch it."},
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, "The packed parameter bytes."},
+    {"plain", (PyCFunction)(void (*)(void))plain, METH_FASTCALL,
+     "Whether an op's impl may be called directly."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,218 @@
+"""Where the host time of one call goes, step by step (issue 25's call-by-call profile).
+
+    python packages/profiling/benchmarks/host_breakdown.py [--out DIR]
+
+(with every package's src/ and tools/ on PYTHONPATH). Needs a CUDA GPU. For each call of the
+host-cost table that misses its target, the whole call and each of its steps run alone, side by
+side in one process (host microseconds per call, loops of 50 with no synchronize, medians of
+21), beside what a user calls instead. A step is timed on inputs prepared outside the loop, so
+the steps of a call add up to about the call. Writes ``host_breakdown_<gpu>.csv`` under DIR
+(default: results/ beside this file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from llmsys.bench_harness.harness import host_us_side_by_side
+from llmsys.flash_attn2 import flash_attention
+from llmsys.flash_attn2 import ops as flash_ops
+from llmsys.kernels_int8 import Int8Linear, tuning
+from llmsys.kernels_int8 import ops as int8_ops
+from llmsys.kernels_swiglu import ops as swiglu_ops
+from llmsys.kernels_swiglu import swiglu
+from llmsys.triton_launch import library, wants_grad
+
+
+class _Identity(torch.autograd.Function):
+    """No kernel at all: the host cost of a Python autograd.Function's forward and backward."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        return inputs[0].view_as(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) * len(ctx.needs_input_grad)
+
+
+def swiglu_steps(dtype) -> dict:
+    a, b = (torch.randn(128, 128, device="cuda", dtype=dtype) for _ in range(2))
+    out = torch.empty_like(a)
+    swiglu(a, b)
+    prepared = next(iter(swiglu_ops._launches.values()))
+    return {
+        "eager F.silu(a) * b": lambda: F.silu(a) * b,
+        "swiglu(), the whole call": lambda: swiglu(a, b),
+        "the op's impl, called directly": lambda: swiglu_ops._swiglu_fwd(a, b),
+        "step: wants_grad(a, b)": lambda: wants_grad(a, b),
+        "step: library._plain_call((a, b)) (thread state, arguments)": lambda: library._plain_call(
+            (a, b)
+        ),
+        "step: the impl's argument check (_valid)": lambda: swiglu_ops._valid(a, b),
+        "step: a.contiguous(), b.contiguous()": lambda: (a.contiguous(), b.contiguous()),
+        "step: torch.empty_like(a)": lambda: torch.empty_like(a),
+        "step: the prepared Launch (C: key, lookup, cuLaunchKernel)": lambda: prepared(
+            32, (a, b, out, a.numel())
+        ),
+    }
+
+
+def int8_steps(m: int, n: int) -> dict:
+    linear = torch.nn.Linear(4096, n, bias=False, device="cuda", dtype=torch.float16)
+    layer = Int8Linear.from_float(linear)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+    b, b_scale = layer.qweight.t(), layer.weight_scale
+    with torch.no_grad():
+        layer(x)
+    plans = [p for p in tuning.plans.values() if isinstance(p, int8_ops.QuantizedMatmulPlan)]
+    plan = next(p for p in plans if p.q_shape == (m, 4096) and p.out_shape == (m, n))
+    q = torch.empty(m, 4096, device="cuda", dtype=torch.int8)
+    scale = torch.empty(m, device="cuda", dtype=torch.float16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    steps = {
+        "fp16 F.linear": lambda: F.linear(x, linear.weight),
+        "Int8Linear forward, the whole call": lambda: layer(x),
+        "the op's impl (int8_matmul_quantize), called directly": lambda: int8_ops.matmul_quantize(
+            x, b, b_scale
+        ),
+        "the product's plan alone": lambda: plan(x, b, b_scale, None),
+        "step: Int8Linear's own checks and reshape": lambda: (
+            x.requires_grad,
+            x.shape[-1] == 4096,
+            x.reshape(m, 4096),
+        ),
+        "step: library._plain_call (4 arguments)": lambda: library._plain_call(
+            (x, b, b_scale, None)
+        ),
+        "step: qweight.t()": lambda: layer.qweight.t(),
+        "step: three torch.empty (q, scale, out)": lambda: (
+            torch.empty((m, 4096), dtype=torch.int8, device=x.device),
+            torch.empty((m,), dtype=torch.float16, device=x.device),
+            torch.empty((m, n), dtype=torch.float16, device=x.device),
+        ),
+        "step: the quantizer's Launch": lambda: plan.quantize(x, q, scale),
+        f"step: the GEMM's launch{'es' if plan.matmul.tma else ''} "
+        f"({'TMA: descriptors, Triton launcher' if plan.matmul.tma else 'C launcher'})": (
+            lambda: plan.matmul(q, scale, b, b_scale, None, out)
+        ),
+    }
+    if plan.matmul.tma:
+        blocks = plan.matmul.blocks
+        steps["step: TensorDescriptor.from_tensor x2"] = lambda: (
+            TensorDescriptor.from_tensor(q, blocks[0]),
+            TensorDescriptor.from_tensor(b.t(), blocks[1]),
+        )
+    return steps
+
+
+def problem_key(q, k, v) -> tuple:
+    """flash_attn2_fwd_impl's plan key for a causal call with a positive scale."""
+    key = []
+    for t in (q, k, v):
+        key += [t.shape, t.stride(), t.dtype, t.get_device()]
+    return (*key, True, True)
+
+
+def flash_steps(shape) -> dict:
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flash_attention(q, k, v, causal=True)
+    plan = next(iter(flash_ops._forward_plans.values()))
+    out = torch.empty_like(q)
+    lse = torch.empty(shape[:-1], device="cuda")
+    scale = shape[-1] ** -0.5
+    return {
+        "SDPA": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "flash_attention forward, the whole call": lambda: flash_attention(q, k, v, causal=True),
+        "the op's impl, called directly": lambda: flash_ops.flash_attn2_fwd_impl(
+            q, k, v, True, scale
+        ),
+        "step: the problem's key and plan lookup": lambda: flash_ops._forward_plans.get(
+            problem_key(q, k, v)
+        ),
+        "step: two allocations (out, lse)": lambda: (
+            torch.empty(shape, dtype=torch.bfloat16, device=q.device),
+            torch.empty(shape[:-1], dtype=torch.float32, device=q.device),
+        ),
+        "step: the plan's Launch (C launcher)": lambda: plan.launch(q, k, v, out, lse, scale),
+    }
+
+
+def backward_steps(shape) -> dict:
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    do = torch.randn_like(q)
+    a, b = (
+        torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
+    g = torch.randn_like(a)
+    out, lse = flash_ops.flash_attn2_fwd_impl(q.detach(), k.detach(), v.detach(), True, 0.125)
+    return {
+        "SDPA forward+backward": lambda: torch.autograd.grad(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do
+        ),
+        "flash forward+backward, the whole call": lambda: torch.autograd.grad(
+            flash_attention(q, k, v, causal=True), (q, k, v), do
+        ),
+        "step: the backward op's impl alone": lambda: flash_ops.flash_attn2_bwd_impl(
+            do, q.detach(), k.detach(), v.detach(), out, lse, True, 0.125
+        ),
+        "step: a kernel-free autograd.Function of 3 inputs, forward+backward": lambda: (
+            torch.autograd.grad(_Identity.apply(q, k, v), (q, k, v), do, allow_unused=True)
+        ),
+        "eager swiglu forward+backward 1024x1024 bf16": lambda: torch.autograd.grad(
+            F.silu(a) * b, (a, b), g
+        ),
+        "swiglu forward+backward, the whole call": lambda: torch.autograd.grad(
+            swiglu(a, b), (a, b), g
+        ),
+        "step: swiglu's two impls alone (forward, backward)": lambda: (
+            swiglu_ops._swiglu_fwd(a.detach(), b.detach()),
+            swiglu_ops._swiglu_bwd(g, a.detach(), b.detach()),
+        ),
+        "step: a kernel-free autograd.Function of 2 inputs, forward+backward": lambda: (
+            torch.autograd.grad(_Identity.apply(a, b), (a, b), g, allow_unused=True)
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    groups = {
+        "swiglu() 128x128 float32": swiglu_steps(torch.float32),
+        "Int8Linear M 128, K 4096, N 4096": int8_steps(128, 4096),
+        "Int8Linear M 4096, K 4096, N 4096": int8_steps(4096, 4096),
+        "flash forward 1x16x1024x64 bf16 causal": flash_steps((1, 16, 1024, 64)),
+        "forward+backward": backward_steps((1, 16, 1024, 64)),
+    }
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for group, steps in groups.items():
+        times = host_us_side_by_side(list(steps.values()), calls=50, repeats=21)
+        print(f"\n{group} ({gpu})")
+        for name, us in zip(steps, times, strict=True):
+            print(f"  {name:78} {us:8.1f} us")
+            rows.append({"group": group, "step": name, "host_us": round(us, 2), "gpu": gpu})
+    args.out.mkdir(parents=True, exist_ok=True)
+    short = next((g for g in ("h100", "h200", "a100") if g in gpu.lower()), "gpu")
+    path = args.out / f"host_breakdown_{short}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
