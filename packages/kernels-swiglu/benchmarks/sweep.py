@@ -66,6 +66,9 @@ def with_previous_launch_config(step):
 def providers(device: str) -> dict:
     found = {"eager": eager, "ours": ours, "swiglu()": ks.swiglu, "previous": ks.swiglu}
     if device == "cuda":
+        # One specialization per size, dtype and grad mode: past dynamo's default limit of 8 the
+        # compiled function silently runs eager (the compile column read 1.00x on 2026-11-26).
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         found["compile"] = torch.compile(eager, dynamic=False)
         try:
             from liger_kernel.ops.swiglu import LigerSiLUMulFunction

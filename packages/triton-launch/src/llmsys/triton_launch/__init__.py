@@ -16,7 +16,7 @@ from .launcher import (
 )
 from .library import call_below_autograd, define_op, refuse_double_backward, wants_grad
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "Launch",
