@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -16,6 +15,9 @@ from . import ops
 from .functional import quantize_int8_perrow  # (importing functional registers the ops' autograd)
 
 logger = logging.getLogger(__name__)
+
+
+_FLOAT_DTYPES = frozenset(ops.FLOAT_DTYPES)
 
 
 class Int8Linear(nn.Module):
@@ -118,24 +120,31 @@ class Int8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        checks.tensor("Int8Linear", "x", x, ops.FLOAT_DTYPES)
+        if not (type(x) is torch.Tensor and x.dtype in _FLOAT_DTYPES):
+            checks.tensor("Int8Linear", "x", x, ops.FLOAT_DTYPES)
         if x.requires_grad and torch.is_grad_enabled():
             raise ops.inference_only_error("Int8Linear")
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"Int8Linear: `x` must have shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
-        lead = x.shape[:-1]
-        rows = x.reshape(math.prod(lead), self.in_features)  # (M, K)
+        two_d = x.dim() == 2
+        rows = x if two_d else x.reshape(-1, self.in_features)  # (M, K)
         if self.check_finite:
             ops.check_finite_rows("Int8Linear", "x", rows)
         # One op (quantize, then multiply), called below autograd as the public functions call
         # theirs, without their own argument checks (host time per call, issue 25). A buffer
-        # that requires grad makes the op refuse, naming it.
+        # that requires grad makes the op refuse, naming it. The buffers are read from
+        # `_buffers` directly: nn.Module's attribute lookup costs about a microsecond each.
+        buffers = self._buffers
         out = call_below_autograd(
-            ops.int8_matmul_quantize, rows, self.qweight.t(), self.weight_scale, self.bias
+            ops.int8_matmul_quantize,
+            rows,
+            buffers["qweight"].t(),
+            buffers["weight_scale"],
+            buffers["bias"],
         )  # (M, N)
-        return out.reshape(*lead, self.out_features)
+        return out if two_d else out.reshape(*x.shape[:-1], self.out_features)
 
     def forward_quantized(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The layer on rows already quantized per token: one GEMM, no quantization pass.
