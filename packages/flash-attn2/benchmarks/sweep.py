@@ -1,4 +1,4 @@
-"""Attention sweep: naive, torch.compile'd naive, SDPA flash and cuDNN, ours; fwd, bwd, fwd+bwd.
+"""Attention sweep: naive, compiled naive, SDPA flash and cuDNN, ours, previous; fwd, bwd, fwd+bwd.
 
 Causal attention (the CS336 assignment's sweep): batch 1, one head, seq 128 to 65536, d in
 {16, 32, 64, 128}, bfloat16 and float32 (``--full``), plus the multi-head cases 1x16x16384x64 (the
@@ -87,6 +87,19 @@ def ours(q, k, v):
     return fa.flash_attention(q, k, v, causal=True)
 
 
+_previous_plans: dict = {}  # the previous provider's own plans (ops keys them by problem only)
+
+
+def previous(q, k, v, causal: bool = True):
+    """Ours with the forward kernel of 0.1 (pointer loads, no TMA): the regression check."""
+    current, plans = ops.FORWARD_KERNEL, ops._forward_plans
+    ops.FORWARD_KERNEL, ops._forward_plans = "pointer", _previous_plans
+    try:
+        return fa.flash_attention(q, k, v, causal=causal)
+    finally:
+        ops.FORWARD_KERNEL, ops._forward_plans = current, plans
+
+
 @functools.cache
 def compiled_naive_attention():
     """``torch.compile``'d naive attention, compiled once per dtype for every sequence length.
@@ -110,6 +123,8 @@ def providers(device: str, with_compile: bool) -> dict:
         found["sdpa_flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
         found["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     found["ours"] = ours
+    if device == "cuda":
+        found["previous"] = previous
     return found
 
 
@@ -256,7 +271,14 @@ def report_rows(rows: list[harness.Row]) -> list[harness.Row]:
     ]
 
 
-COLORS = {"naive": "C7", "compile": "C1", "sdpa_flash": "C0", "sdpa_cudnn": "C2", "ours": "C3"}
+COLORS = {
+    "naive": "C7",
+    "compile": "C1",
+    "sdpa_flash": "C0",
+    "sdpa_cudnn": "C2",
+    "ours": "C3",
+    "previous": "C4",
+}
 
 
 def plot(rows: list[harness.Row], path: Path) -> Path:

@@ -303,6 +303,34 @@ def test_a_planned_backward_gives_the_spec_on_every_call(q_shape, kv_shape, devi
     assert len(ops._backward_plans) == 2  # the dense and the stride-0 gradient
 
 
+@pytest.mark.parametrize("kernel", ["tma", "pointer"])
+@pytest.mark.parametrize("causal", CAUSAL, ids=causal_id)
+@pytest.mark.parametrize(
+    ("q_shape", "kv_shape"),
+    [
+        ((1, 2, 33, 64), (1, 2, 70, 64)),
+        ((1, 4, 130, 128), (1, 2, 130, 128)),
+        ((2, 5, 32), (2, 9, 32)),
+    ],
+    ids=["d64-odd", "d128-gqa", "3-D"],
+)
+def test_each_forward_kernel_gives_the_spec(
+    kernel, causal, q_shape, kv_shape, device, monkeypatch, poisoned_allocations
+):
+    """The TMA forward (tensor descriptors; the interpreter emulates the copy engine) and the
+    pointer forward, each forced, on odd lengths, grouped-query heads and 3-D inputs."""
+    monkeypatch.setattr(ops, "FORWARD_KERNEL", kernel)
+    ops._forward_plans.clear()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    q, k, v = (t.detach() for t in make_qkv(q_shape, kv_shape, dtype, device))
+    out = flash_attention(q, k, v, causal=causal)
+    expected, _ = attention_reference(q, k, v, causal, None, upcast=True)
+    assert_matches_spec((out,), (expected,), dtype, device, names=("out",))
+    (plan,) = ops._forward_plans.values()
+    assert (plan.views is not None) == (kernel == "tma")
+    ops._forward_plans.clear()
+
+
 def test_a_planned_forward_still_names_bad_arguments(device):
     q, k, v = (t.detach() for t in make_qkv((1, 2, 16, 16), (1, 2, 16, 16), device=device))
     flash_attention(q, k, v, causal=True, scale=0.5)

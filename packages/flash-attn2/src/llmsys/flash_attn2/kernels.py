@@ -122,40 +122,62 @@ def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, offs_m, offs_d,
-               N_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               FOLD_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
-    """Online softmax over the key tiles [lo, hi); MASK: these tiles need score masks.
+def _fwd_step(acc, l_i, m_i, q, k, v, offs_m, offs_n, N_K, qk_scale, MASK: tl.constexpr,
+              CAUSAL: tl.constexpr, FOLD_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
+    """One key tile of the online softmax; MASK: this tile needs score masks.
 
     FOLD_SCALE (a positive scale): the row max is taken on the raw scores and scaled once per
     row, and ``s * scale - m`` is a single FMA per score instead of a multiply and a subtract.
     """
+    s = _dot(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST)  # (BLOCK_M, BLOCK_N), raw
+    if MASK:
+        keep = offs_n[None, :] < N_K
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        s = tl.where(keep, s * qk_scale, MASKED_SCORE_LOG2)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    elif FOLD_SCALE:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    else:
+        s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, offs_m, offs_d,
+               N_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+               FOLD_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Online softmax over the key tiles [lo, hi), loaded through pointers."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(k_ptrs + start_n * stride_kn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
         v = _load_rows(v_ptrs + start_n * stride_vn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
-        s = _dot(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST)  # (BLOCK_M, BLOCK_N), raw
-        if MASK:
-            keep = offs_n[None, :] < N_K
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(keep, s * qk_scale, MASKED_SCORE_LOG2)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-        elif FOLD_SCALE:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-        else:
-            s = s * qk_scale
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, offs_m, offs_n, N_K, qk_scale, MASK,
+                                  CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_range(start_m, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(full_hi, hi): key tiles [0, full_hi) need no mask, [full_hi, hi) do (the causal diagonal
+    and the last, partial tile); keys before a tile's first query are visible to all its rows."""
+    if CAUSAL:
+        hi = tl.minimum(N_K, start_m + BLOCK_M)
+        full_hi = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
+    else:
+        hi = N_K
+        full_hi = N_K // BLOCK_N * BLOCK_N
+    return full_hi, hi
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -193,12 +215,7 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
-    if CAUSAL:  # keys before the tile's first query are visible to all of its rows
-        hi = tl.minimum(N_K, start_m + BLOCK_M)
-        full_hi = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
-    else:
-        hi = N_K
-        full_hi = N_K // BLOCK_N * BLOCK_N
+    full_hi, hi = _fwd_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn,
                                offs_m, offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
                                CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST)
@@ -211,6 +228,45 @@ def attn_fwd_kernel(
     _store_rows(o_ptrs, out.to(Out.dtype.element_ty), offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)
     lse_ptrs = LSE + (b * N_HEADS + h) * N_Q + offs_m
     tl.store(lse_ptrs, (m_i + tl.log2(l_i)) * LN2, mask=offs_m < N_Q)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def attn_fwd_tma_kernel(
+    # host tensor descriptors over contiguous (batch * heads, seq, HEAD_DIM) views
+    Q, K, V, Out,
+    LSE,
+    N_HEADS, GROUP, N_Q, N_K, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, FOLD_SCALE: tl.constexpr,
+):
+    """The forward with every tile moved by Hopper's copy engine (TMA) instead of pointer
+    loads: q, k, v and out are tensor descriptors, tiles past a sequence's end load as zeros
+    and are not stored. 16-bit inputs with HEAD_DIM a power of two; grid (query tiles,
+    batch * heads)."""
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # the last tiles first
+    bh = tl.program_id(1)
+    bh_kv = (bh // N_HEADS) * (N_HEADS // GROUP) + (bh % N_HEADS) // GROUP
+    q = Q.load([bh, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2E
+    full_hi, hi = _fwd_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, full_hi, BLOCK_N):
+        k = K.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = V.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, offs_m, start_n + offs_n0, N_K,
+                                  qk_scale, False, CAUSAL, FOLD_SCALE, "tf32", DOT_UPCAST)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        k = K.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = V.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, offs_m, start_n + offs_n0, N_K,
+                                  qk_scale, True, CAUSAL, FOLD_SCALE, "tf32", DOT_UPCAST)
+    out = acc / l_i[:, None]
+    Out.store([bh, start_m, 0], out.to(Out.dtype).reshape(1, BLOCK_M, HEAD_DIM))
+    tl.store(LSE + bh * N_Q + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=offs_m < N_Q)
 
 
 # --- backward ------------------------------------------------------------------------------------

@@ -45,6 +45,19 @@ FOLD_SCALE = True
 # Under TRITON_INTERPRET=1 the kernels run on CPU tensors.
 CPU_RUNS_TRITON = runs_under_interpreter(kernels.attn_fwd_kernel)
 
+try:  # host-side tensor descriptors for the copy engine (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton: the pointer forward everywhere
+    TensorDescriptor = None
+
+# Which forward kernel: "auto" takes the TMA kernel where it was measured faster (Hopper or
+# later, 16-bit, head dims in TMA_HEAD_DIMS, contiguous inputs), else the pointer kernel; the
+# tests force "tma" or "pointer" to cover both (the TMA kernel also runs under the interpreter).
+FORWARD_KERNEL = "auto"
+# H100, 4x32x8192x128 bf16: the TMA forward 574 / 566 TF/s causal / not, the pointer forward
+# 489 / 505 (DECISIONS.md). At head dim 64 it was slower at 1x16x16384 causal (427 against 444).
+TMA_HEAD_DIMS = (128,)
+
 
 # --- input checks --------------------------------------------------------------------------------
 
@@ -141,6 +154,12 @@ _CONFIGS_32BIT = {
     128: (TileConfig(64, 32, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
     256: (TileConfig(32, 32, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(32, 16, 4, 2)),
 }
+
+
+# The TMA forward's tile (16-bit, head dim 128): 128 x 128 with 8 warps and 3 stages was the
+# fastest of four on an H100 (DECISIONS.md); warp specialisation (tl.range(warp_specialize=True))
+# measured no faster and fails to compile at 4 warps on triton 3.6.
+TMA_TILE = TileConfig(128, 128, 8, 3)
 
 
 def tile_configs(head_dim: int, dtype: torch.dtype) -> tuple[TileConfig, TileConfig, TileConfig]:
@@ -246,6 +265,7 @@ def flash_attn2_fwd_impl(
             q.shape, q.stride(), q.dtype, q.get_device(),
             k.shape, k.stride(), k.dtype, k.get_device(),
             v.shape, v.stride(), v.dtype, v.get_device(),
+            q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
             causal if type(causal) is bool else None, scale > 0,
         )  # fmt: skip
     except (AttributeError, TypeError):  # not a tensor, or no number: the checks name it
@@ -286,11 +306,34 @@ _forward_plans: dict[tuple, ForwardPlan] = {}
 MAX_PLANS = 4096
 
 
+def _tma_forward_applies(q, k, v) -> bool:
+    """Whether the TMA forward takes these (checked) inputs: see FORWARD_KERNEL."""
+    if FORWARD_KERNEL == "pointer" or TensorDescriptor is None:
+        return False
+    d = q.shape[-1]
+    usable = (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and d == block_d(d)
+        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+        and q.numel() // (q.shape[-2] * d) <= MAX_GRID_Y  # batch * heads: the grid's 2nd dim
+    )
+    if FORWARD_KERNEL == "tma":
+        return usable
+    return (
+        usable
+        and q.is_cuda
+        and d in TMA_HEAD_DIMS
+        and torch.cuda.get_device_capability(q.device)[0] >= 9
+    )
+
+
 class ForwardPlan:
-    """The forward kernel's launch for one problem (checked inputs, 3-D or 4-D): tiles,
+    """The forward kernel's launch for one problem (checked inputs, 3-D or 4-D): kernel, tiles,
     constexprs, grid, strides and sizes decided once; it holds no tensor."""
 
-    __slots__ = ("device", "dtype", "grid", "kernel", "lse_shape", "out_shape", "sizes")
+    __slots__ = (
+        "blocks", "device", "dtype", "grid", "kernel", "lse_shape", "out_shape", "sizes", "views"
+    )  # fmt: skip
 
     def __init__(self, q, k, v, causal: bool, scale: float):
         q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
@@ -298,20 +341,51 @@ class ForwardPlan:
         kv_heads, n_k = k4.shape[1], k4.shape[2]
         self.out_shape, self.lse_shape = tuple(q.shape), tuple(q.shape[:-1])
         self.dtype, self.device = q.dtype, q.device
-        config = tile_configs(d, q.dtype)[0]
-        config, self.grid = _grid(config, batch * heads, cdiv(n_q, config.block_m))
-        out_strides = (heads * n_q * d, n_q * d, d, 1)  # out is contiguous (B, H, N_q, d)
-        self.sizes = (*q4.stride(), *k4.stride(), *v4.stride(), *out_strides)
-        self.sizes += (heads, heads // kv_heads, n_q, n_k)
-        constexprs = _meta(q4, config, causal) | {"FOLD_SCALE": FOLD_SCALE and scale > 0}
-        self.kernel = Launch(
-            kernels.attn_fwd_kernel, constexprs, config.num_warps, config.num_stages
-        )
+        fold = FOLD_SCALE and scale > 0
+        if _tma_forward_applies(q, k, v):
+            config = TMA_TILE
+            self.grid = (cdiv(n_q, config.block_m), batch * heads)
+            self.views = (  # (shape, strides) of the 3-D views the descriptors read
+                ([batch * heads, n_q, d], [n_q * d, d, 1]),
+                ([batch * kv_heads, n_k, d], [n_k * d, d, 1]),
+            )
+            self.blocks = ([1, config.block_m, d], [1, config.block_n, d])
+            self.sizes = (heads, heads // kv_heads, n_q, n_k)
+            constexprs = {
+                "HEAD_DIM": d,
+                "BLOCK_M": config.block_m,
+                "BLOCK_N": config.block_n,
+                "CAUSAL": causal,
+                "DOT_UPCAST": not q.is_cuda and q.dtype == torch.bfloat16,
+                "FOLD_SCALE": fold,
+            }
+            kernel = kernels.attn_fwd_tma_kernel
+        else:
+            self.views = None
+            config = tile_configs(d, q.dtype)[0]
+            config, self.grid = _grid(config, batch * heads, cdiv(n_q, config.block_m))
+            out_strides = (heads * n_q * d, n_q * d, d, 1)  # out is contiguous (B, H, N_q, d)
+            self.sizes = (*q4.stride(), *k4.stride(), *v4.stride(), *out_strides)
+            self.sizes += (heads, heads // kv_heads, n_q, n_k)
+            constexprs = _meta(q4, config, causal) | {"FOLD_SCALE": fold}
+            kernel = kernels.attn_fwd_kernel
+        self.kernel = Launch(kernel, constexprs, config.num_warps, config.num_stages)
 
     def launch(self, q, k, v, out, lse, scale: float) -> None:
         # q, k, v, out, lse in any of their shapes: the kernel reads the pointers, and the
         # strides were taken from the 4-D views
-        self.kernel(self.grid, (q, k, v, out, lse, *self.sizes, float(scale)))
+        if self.views is None:
+            self.kernel(self.grid, (q, k, v, out, lse, *self.sizes, float(scale)))
+            return
+        (q_shape, q_strides), (kv_shape, kv_strides) = self.views
+        q_block, kv_block = self.blocks
+        descriptors = (
+            TensorDescriptor(q, q_shape, q_strides, q_block),
+            TensorDescriptor(k, kv_shape, kv_strides, kv_block),
+            TensorDescriptor(v, kv_shape, kv_strides, kv_block),
+            TensorDescriptor(out, q_shape, q_strides, q_block),
+        )
+        self.kernel(self.grid, (*descriptors, lse, *self.sizes, float(scale)))
 
     def __call__(self, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         out = _alloc(self.out_shape, self.dtype, self.device)
