@@ -29,6 +29,7 @@ from llmsys.triton_launch import (
     define_op,
     next_power_of_2,
     runs_under_interpreter,
+    sm_count,
 )
 
 from . import kernels
@@ -324,6 +325,11 @@ def _tma_forward_applies(q, k, v) -> bool:
         and q.is_cuda
         and d in TMA_HEAD_DIMS
         and torch.cuda.get_device_capability(q.device)[0] >= 9
+        # At least a wave of tiles: below it the kernel takes tens of microseconds and the
+        # descriptors' host cost (Triton's launcher) is not hidden (1x1x1024x128 took 58 us
+        # against 25, DECISIONS.md).
+        and q.numel() // (q.shape[-2] * d) * cdiv(q.shape[-2], TMA_TILE.block_m)
+        >= sm_count(q.device)
     )
 
 
