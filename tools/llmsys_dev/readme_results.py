@@ -222,11 +222,17 @@ TABLES = {
     "flash-attn2": Table(
         "flash-attn2",
         "h100.csv",
-        ("sdpa_flash", "ours", "sdpa_cudnn", "compile"),
+        ("sdpa_flash", "ours", "sdpa_cudnn", "previous", "compile"),
         (
-            ("x", ("1x16x16384x64", "1x16x4096x64", "1x16x1024x64")),
+            ("x", ("1x16x16384x64", "4x16x4096x128", "1x1x65536x128")),
             ("dtype", ("bfloat16",)),
         ),
+    ),
+    "flash-attn2-hopper": Table(
+        "flash-attn2",
+        "h100-hopper.csv",
+        ("sdpa_cudnn", "ours", "previous", "sdpa_flash"),
+        command="python packages/flash-attn2/benchmarks/hopper.py",
     ),
     "profiling": Table(
         "profiling",
