@@ -186,6 +186,7 @@ def test_small_split_limit_forces_splits_with_identical_results(
         tuning, "matmul_candidates", lambda m, n, k: [tuning.MatmulConfig(16, 32, 32)]
     )
     assert ops.split_plan(300, 32, 1)[0] == 4
+    tuning.plans.clear()  # the unsplit call's plan would serve the same product
     assert torch.equal(matmul_int8(a, a_scale, b, b_scale, bias=bias), unsplit)
 
 
@@ -221,6 +222,7 @@ def test_every_candidate_config_gives_identical_results(
         if not ops.tma_applies(config, a, b, out_like):
             continue
         monkeypatch.setattr(tuning, "matmul_candidates", lambda m, n, k, c=config: [c])
+        tuning.plans.clear()  # else the first config's plan serves every later one
         results[config] = matmul_int8(a, a_scale, b, b_scale, bias=bias)
     assert any(c.tma for c in results) == (shape[2] % 16 == 0)
     first = next(iter(results.values()))
@@ -535,6 +537,7 @@ def test_gpu_model_shapes_every_candidate_identical(
         if not ops.tma_applies(config, a, b, out_like):
             continue  # e.g. a TMA store into rows of 4097 * 2 bytes (not 16-byte aligned)
         monkeypatch.setattr(tuning, "matmul_candidates", lambda m, n, k, c=config: [c])
+        tuning.plans.clear()  # else the first config's plan serves every later one
         try:
             results[config] = matmul_int8(a, a_scale, b, b_scale, bias=bias)
         except triton.runtime.errors.OutOfResources:

@@ -27,13 +27,13 @@ from llmsys.triton_launch import (
     cdiv,
     checks,
     define_op,
-    next_power_of_2,
     runs_under_interpreter,
     sm_count,
 )
 
 from . import kernels
 from .flash_torch import check_causal_and_scale, flash_backward_torch, flash_forward_torch
+from .tuning import TMA_HEAD_DIMS, TMA_TILE, TileConfig, block_d, tile_configs
 
 NAMESPACE = "llmsys"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,12 +52,10 @@ except ImportError:  # pragma: no cover - older triton: the pointer forward ever
     TensorDescriptor = None
 
 # Which forward kernel: "auto" takes the TMA kernel where it was measured faster (Hopper or
-# later, 16-bit, head dims in TMA_HEAD_DIMS, contiguous inputs), else the pointer kernel; the
-# tests force "tma" or "pointer" to cover both (the TMA kernel also runs under the interpreter).
+# later, 16-bit, head dims in tuning.TMA_HEAD_DIMS, contiguous inputs, a wave of tiles), else the
+# pointer kernel; the tests force "tma" or "pointer" to cover both (the TMA kernel also runs
+# under the interpreter).
 FORWARD_KERNEL = "auto"
-# H100, 4x32x8192x128 bf16: the TMA forward 574 / 566 TF/s causal / not, the pointer forward
-# 489 / 505 (DECISIONS.md). At head dim 64 it was slower at 1x16x16384 causal (427 against 444).
-TMA_HEAD_DIMS = (128,)
 
 
 # --- input checks --------------------------------------------------------------------------------
@@ -103,70 +101,6 @@ def check_grad_out(op: str, grad_out, out) -> None:
             f"{op}: `grad_out` must have the shape of `out` {tuple(out.shape)}, "
             f"got {tuple(grad_out.shape)}"
         )
-
-
-# --- tile configurations -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """One kernel's launch geometry: BLOCK_M query rows by BLOCK_N key rows per tile.
-
-    ``head_major``: hand out all tiles of one (batch, head) before the next head (the programs
-    in flight share that head's inputs in L2) instead of one tile of every head at a time.
-    """
-
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 3
-    head_major: bool = False
-
-
-def block_d(head_dim: int) -> int:
-    """``head_dim`` padded to a power of two of at least 16 (``tl.dot``'s smallest K)."""
-    return max(16, next_power_of_2(head_dim))
-
-
-# (forward, dK/dV, dQ) by padded head dim, for 16-bit inputs. Candidates were compiled for sm_90
-# first (registers, spills, shared memory; an H100 block gets at most 227 KiB) and then timed on an
-# H100 at 1x16x16384x{32,64} and 4x16x4096x128, causal bf16 (a script since removed); the fastest
-# of each kernel is here (DECISIONS.md). d = 16 uses d = 32's tiles.
-_CONFIGS_16BIT = {
-    16: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
-    32: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
-    64: (
-        TileConfig(128, 64, 4, 3),
-        TileConfig(64, 64, 4, 3, head_major=True),
-        TileConfig(64, 64, 4, 3),
-    ),
-    128: (
-        TileConfig(128, 64, 8, 3, head_major=True),
-        TileConfig(32, 64, 4, 3),
-        TileConfig(64, 64, 4, 2, head_major=True),
-    ),
-    256: (TileConfig(64, 64, 8, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
-}
-# float32 tiles take twice the registers and shared memory: smaller tiles, fewer stages.
-_CONFIGS_32BIT = {
-    16: (TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 32, 4, 3)),
-    32: (TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 32, 4, 3)),
-    64: (TileConfig(64, 64, 4, 3), TileConfig(16, 64, 4, 2), TileConfig(64, 32, 4, 2)),
-    128: (TileConfig(64, 32, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
-    256: (TileConfig(32, 32, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(32, 16, 4, 2)),
-}
-
-
-# The TMA forward's tile (16-bit, head dim 128): 128 x 128 with 8 warps and 3 stages was the
-# fastest of four on an H100 (DECISIONS.md); warp specialisation (tl.range(warp_specialize=True))
-# measured no faster and fails to compile at 4 warps on triton 3.6.
-TMA_TILE = TileConfig(128, 128, 8, 3)
-
-
-def tile_configs(head_dim: int, dtype: torch.dtype) -> tuple[TileConfig, TileConfig, TileConfig]:
-    """(forward, dK/dV, dQ) tile configurations for this head dim and dtype."""
-    table = _CONFIGS_32BIT if dtype == torch.float32 else _CONFIGS_16BIT
-    return table[block_d(head_dim)]
 
 
 # --- launchers -----------------------------------------------------------------------------------
@@ -267,7 +201,7 @@ def flash_attn2_fwd_impl(
             k.shape, k.stride(), k.dtype, k.get_device(),
             v.shape, v.stride(), v.dtype, v.get_device(),
             q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
-            causal if type(causal) is bool else None, scale > 0,
+            causal if type(causal) is bool else None, scale > 0, FORWARD_KERNEL,
         )  # fmt: skip
     except (AttributeError, TypeError):  # not a tensor, or no number: the checks name it
         key = None

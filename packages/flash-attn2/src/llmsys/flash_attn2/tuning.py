@@ -1,0 +1,76 @@
+"""Tile tables of the attention kernels: the launch geometry of each kernel by head dim and
+dtype, measured on an H100 (DECISIONS.md), as kernels-int8 and kernels-moe keep theirs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llmsys.triton_launch import next_power_of_2
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One kernel's launch geometry: BLOCK_M query rows by BLOCK_N key rows per tile.
+
+    ``head_major``: hand out all tiles of one (batch, head) before the next head (the programs
+    in flight share that head's inputs in L2) instead of one tile of every head at a time.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+    head_major: bool = False
+
+
+def block_d(head_dim: int) -> int:
+    """``head_dim`` padded to a power of two of at least 16 (``tl.dot``'s smallest K)."""
+    return max(16, next_power_of_2(head_dim))
+
+
+# (forward, dK/dV, dQ) by padded head dim, for 16-bit inputs. Candidates were compiled for sm_90
+# first (registers, spills, shared memory; an H100 block gets at most 227 KiB) and then timed on an
+# H100 at 1x16x16384x{32,64} and 4x16x4096x128, causal bf16 (a script since removed); the fastest
+# of each kernel is here (DECISIONS.md). d = 16 uses d = 32's tiles.
+_CONFIGS_16BIT = {
+    16: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
+    32: (TileConfig(128, 128, 4, 3), TileConfig(32, 128, 4, 3), TileConfig(64, 64, 4, 3)),
+    64: (
+        TileConfig(128, 64, 4, 3),
+        TileConfig(64, 64, 4, 3, head_major=True),
+        TileConfig(64, 64, 4, 3),
+    ),
+    128: (
+        TileConfig(128, 64, 8, 3, head_major=True),
+        TileConfig(32, 64, 4, 3),
+        TileConfig(64, 64, 4, 2, head_major=True),
+    ),
+    256: (TileConfig(64, 64, 8, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
+}
+# float32 tiles take twice the registers and shared memory: smaller tiles, fewer stages.
+_CONFIGS_32BIT = {
+    16: (TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 32, 4, 3)),
+    32: (TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 3), TileConfig(64, 32, 4, 3)),
+    64: (TileConfig(64, 64, 4, 3), TileConfig(16, 64, 4, 2), TileConfig(64, 32, 4, 2)),
+    128: (TileConfig(64, 32, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(64, 32, 8, 2)),
+    256: (TileConfig(32, 32, 4, 2), TileConfig(16, 32, 4, 2), TileConfig(32, 16, 4, 2)),
+}
+
+
+# The TMA forward's tile (16-bit, head dim 128): 128 x 128 with 8 warps and 3 stages was the
+# fastest of four on an H100 (DECISIONS.md); warp specialisation (tl.range(warp_specialize=True))
+# measured no faster and fails to compile at 4 warps on triton 3.6.
+TMA_TILE = TileConfig(128, 128, 8, 3)
+
+
+def tile_configs(head_dim: int, dtype: torch.dtype) -> tuple[TileConfig, TileConfig, TileConfig]:
+    """(forward, dK/dV, dQ) tile configurations for this head dim and dtype."""
+    table = _CONFIGS_32BIT if dtype == torch.float32 else _CONFIGS_16BIT
+    return table[block_d(head_dim)]
+
+
+# H100, 4x32x8192x128 bf16: the TMA forward 574 / 566 TFLOP/s causal / not, the pointer forward
+# 489 / 505 (DECISIONS.md). At head dim 64 it was slower at 1x16x16384 causal (427 against 444).
+TMA_HEAD_DIMS = (128,)
