@@ -33,7 +33,7 @@ from llmsys.triton_launch import (
 
 from . import kernels
 from .flash_torch import check_causal_and_scale, flash_backward_torch, flash_forward_torch
-from .tuning import TMA_HEAD_DIMS, TMA_TILE, TileConfig, block_d, tile_configs
+from .tuning import TMA_HEAD_DIMS, TMA_MIN_FLOPS, TMA_TILE, TileConfig, block_d, tile_configs
 
 NAMESPACE = "llmsys"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -259,11 +259,12 @@ def _tma_forward_applies(q, k, v) -> bool:
         and q.is_cuda
         and d in TMA_HEAD_DIMS
         and torch.cuda.get_device_capability(q.device)[0] >= 9
-        # At least a wave of tiles: below it the kernel takes tens of microseconds and the
-        # descriptors' host cost (Triton's launcher) is not hidden (1x1x1024x128 took 58 us
-        # against 25, DECISIONS.md).
-        and q.numel() // (q.shape[-2] * d) * cdiv(q.shape[-2], TMA_TILE.block_m)
+        # At least a wave of tiles and TMA_MIN_FLOPS of work: below them the kernel takes tens
+        # of microseconds and the descriptors' host cost (four of them, through Triton's
+        # launcher: about 40 us more per call) is not hidden (DECISIONS.md).
+        and (heads := q.numel() // (q.shape[-2] * d)) * cdiv(q.shape[-2], TMA_TILE.block_m)
         >= sm_count(q.device)
+        and 2 * heads * q.shape[-2] * k.shape[-2] * d >= TMA_MIN_FLOPS
     )
 
 
