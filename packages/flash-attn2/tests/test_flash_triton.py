@@ -333,6 +333,17 @@ def test_each_forward_kernel_gives_the_spec(
     ops._forward_plans.clear()
 
 
+def test_a_module_switch_is_not_hidden_by_a_plan(device, monkeypatch):
+    """Changing a switch that plans bake in (the dot precision) makes a new plan."""
+    q, k, v = (t.detach() for t in make_qkv((1, 2, 16, 16), (1, 2, 16, 16), device=device))
+    flash_attention(q, k, v)
+    monkeypatch.setattr(ops, "DOT_PRECISION", "ieee")
+    flash_attention(q, k, v)
+    assert len(ops._forward_plans) == 2
+    with pytest.raises(TypeError, match="`scale` must be a float"):
+        flash_attention(q, k, v, scale=True)
+
+
 def test_a_planned_forward_still_names_bad_arguments(device):
     q, k, v = (t.detach() for t in make_qkv((1, 2, 16, 16), (1, 2, 16, 16), device=device))
     flash_attention(q, k, v, causal=True, scale=0.5)

@@ -40,6 +40,17 @@ def test_from_float_equals_the_functional_composition(dtype, bias, device):
         assert torch.equal(out.reshape(6, 70), expected)
 
 
+def test_a_bias_replaced_by_a_parameter_is_used(device):
+    """The forward reads its buffers from `_buffers`; a bias reassigned as a frozen Parameter
+    (no longer a buffer) is still found and used."""
+    module = Int8Linear.from_float(float_linear(64, 16, True, torch.float32, device))
+    x = torch.randn(5, 64, device=device)
+    with torch.no_grad():
+        before = module(x)
+        module.bias = nn.Parameter(module.bias + 1.0, requires_grad=False)
+        torch.testing.assert_close(module(x), before + 1.0, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_close_to_the_float_layer(dtype, device):
     layer = float_linear(2048, 64, True, dtype, device)

@@ -201,12 +201,13 @@ def flash_attn2_fwd_impl(
             k.shape, k.stride(), k.dtype, k.get_device(),
             v.shape, v.stride(), v.dtype, v.get_device(),
             q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
-            causal if type(causal) is bool else None, scale > 0, FORWARD_KERNEL,
+            causal if type(causal) is bool else None, scale > 0,
+            FORWARD_KERNEL, DOT_PRECISION, FOLD_SCALE,  # module switches a plan bakes in
         )  # fmt: skip
     except (AttributeError, TypeError):  # not a tensor, or no number: the checks name it
         key = None
     plan = _forward_plans.get(key)
-    if plan is not None and math.isfinite(scale):
+    if plan is not None and type(scale) in (int, float) and math.isfinite(scale):
         return plan(q, k, v, scale)
     check_inputs("flash_attn2_fwd", q, k, v, causal, scale)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
@@ -356,7 +357,7 @@ def flash_attn2_bwd_impl(
             v.shape, v.stride(), v.dtype, v.get_device(),
             out.shape, out.stride(), out.dtype, out.get_device(),
             lse.shape, lse.stride(), lse.dtype, lse.get_device(),
-            causal if type(causal) is bool else None,
+            causal if type(causal) is bool else None, DOT_PRECISION,
         )  # fmt: skip
     except (AttributeError, TypeError):  # not a tensor: the checks name it
         key = None

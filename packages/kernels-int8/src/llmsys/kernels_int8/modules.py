@@ -136,13 +136,13 @@ class Int8Linear(nn.Module):
         # theirs, without their own argument checks (host time per call, issue 25). A buffer
         # that requires grad makes the op refuse, naming it. The buffers are read from
         # `_buffers` directly: nn.Module's attribute lookup costs about a microsecond each.
-        buffers = self._buffers
+        try:
+            buffers = self._buffers
+            qweight, scale, bias = buffers["qweight"], buffers["weight_scale"], buffers["bias"]
+        except KeyError:  # one replaced by a parameter or a parametrization: the full lookup
+            qweight, scale, bias = self.qweight, self.weight_scale, self.bias
         out = call_below_autograd(
-            ops.int8_matmul_quantize,
-            rows,
-            buffers["qweight"].t(),
-            buffers["weight_scale"],
-            buffers["bias"],
+            ops.int8_matmul_quantize, rows, qweight.t(), scale, bias
         )  # (M, N)
         return out if two_d else out.reshape(*x.shape[:-1], self.out_features)
 

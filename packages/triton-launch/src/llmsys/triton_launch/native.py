@@ -82,8 +82,9 @@ def get():
         return module
     except Exception as error:  # any failure to build or load: the Python launch still works
         warnings.warn(
-            f"llmsys.triton_launch: the C launcher is unavailable ({error}); launching through "
-            "Triton's CompiledKernel.run, about 4 us more per call",
+            f"llmsys.triton_launch: the C launcher is unavailable ({error}); kernels launch "
+            "through Triton's CompiledKernel.run (about 4 us more per launch) and op calls test "
+            "their arguments in Python",
             RuntimeWarning,
             stacklevel=3,
         )
