@@ -168,9 +168,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, o
 
 
 @triton.jit
-def _fwd_range(start_m, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """(full_hi, hi): key tiles [0, full_hi) need no mask, [full_hi, hi) do (the causal diagonal
-    and the last, partial tile); keys before a tile's first query are visible to all its rows."""
+def _key_range(start_m, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(full_hi, hi) for the query tile at ``start_m`` (forward and dQ): key tiles [0, full_hi)
+    need no mask, [full_hi, hi) do (the causal diagonal and the last, partial tile); keys
+    before a tile's first query are visible to all its rows."""
     if CAUSAL:
         hi = tl.minimum(N_K, start_m + BLOCK_M)
         full_hi = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
@@ -215,7 +216,7 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
-    full_hi, hi = _fwd_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    full_hi, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn,
                                offs_m, offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
                                CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST)
@@ -253,7 +254,7 @@ def attn_fwd_tma_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
-    full_hi, hi = _fwd_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
+    full_hi, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, full_hi, BLOCK_N):
         k = K.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         v = V.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -434,12 +435,7 @@ def attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
-    if CAUSAL:
-        hi = tl.minimum(N_K, start_m + BLOCK_M)
-        full_hi = tl.minimum(start_m, N_K) // BLOCK_N * BLOCK_N
-    else:
-        hi = N_K
-        full_hi = N_K // BLOCK_N * BLOCK_N
+    full_hi, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
     dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn, offs_m,
                    offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL,
                    DOT_PRECISION, DOT_UPCAST)
