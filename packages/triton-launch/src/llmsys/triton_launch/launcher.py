@@ -152,6 +152,12 @@ def launch(
     CPU tensors (under ``TRITON_INTERPRET=1``), a device other than the current one, and
     installed Triton launch hooks (profilers) take the ordinary launch.
     """
+    _launch(kernel, grid, args, constexprs, num_warps, num_stages, options)
+
+
+def _launch(kernel, grid, args, constexprs: dict, num_warps, num_stages, options: dict) -> None:
+    """``launch`` with its compile options as one dict (``Launch`` passes its own; never
+    modified here)."""
     module = native.get()
     key = None
     if module is not None:  # the whole launch in C, when it can be had
@@ -183,7 +189,7 @@ def launch(
     if entry is None or not fast:
         # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
         _check_order(kernel, args, constexprs)
-        options["num_warps"] = num_warps
+        options = {**options, "num_warps": num_warps}
         if num_stages is not None:
             options["num_stages"] = num_stages
         with torch.cuda.device(device):
@@ -222,28 +228,8 @@ class Launch:
         self.num_warps, self.num_stages, self.options = num_warps, num_stages, options
 
     def __call__(self, grid, args: tuple) -> None:
-        module = native.get()
-        if module is not None:
-            launched = module.launch(
-                _compiled,
-                self.kernel,
-                grid,
-                args,
-                self.constexprs,
-                self.num_warps,
-                self.num_stages,
-                self.options,
-            )
-            if launched is True:
-                return
-        launch(
-            self.kernel,
-            grid,
-            args,
-            self.constexprs,
-            self.num_warps,
-            self.num_stages,
-            **self.options,
+        _launch(
+            self.kernel, grid, args, self.constexprs, self.num_warps, self.num_stages, self.options
         )
 
     def __repr__(self) -> str:
