@@ -193,6 +193,21 @@ def _serve_table(csv_name: str, command: str) -> Table:
     )
 
 
+# Issue 30's cases in the flash-attn2 sweep (benchmarks/sweep.py: hopper_cases), and the
+# leaderboard case.
+FLASH_HOPPER_CASES = (
+    "1x16x16384x64",
+    *(
+        f"4x32x{n}x128{kv}{mask}"
+        for n in (2048, 8192)
+        for mask in ("", " full")
+        for kv in ("", " kv8")
+    ),
+    *(f"4x32x{n}x64" for n in (2048, 4096, 8192, 16384)),
+    "4x32x4096x128",
+    "4x32x16384x128",
+)
+
 TABLES = {
     "kernels-swiglu": Table(
         "kernels-swiglu",
@@ -230,9 +245,12 @@ TABLES = {
     ),
     "flash-attn2-hopper": Table(
         "flash-attn2",
-        "h100-hopper.csv",
+        "h100.csv",
         ("sdpa_cudnn", "ours", "previous", "sdpa_flash"),
-        command="python packages/flash-attn2/benchmarks/hopper.py",
+        (
+            ("x", FLASH_HOPPER_CASES),
+            ("mode", ("fwd", "fwd_bwd")),
+        ),
     ),
     "profiling": Table(
         "profiling",
