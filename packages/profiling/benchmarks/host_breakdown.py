@@ -27,7 +27,7 @@ from llmsys.kernels_int8 import Int8Linear, tuning
 from llmsys.kernels_int8 import ops as int8_ops
 from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
-from llmsys.triton_launch import library, wants_grad
+from llmsys.triton_launch import launcher, library, native, wants_grad
 
 
 class _Identity(torch.autograd.Function):
@@ -92,7 +92,12 @@ def int8_steps(m: int, n: int) -> dict:
             (x, b, b_scale, None)
         ),
         "step: qweight.t()": lambda: layer.qweight.t(),
-        "step: three torch.empty (q, scale, out)": lambda: (
+        "step: three allocations (q, scale, out) as the plan makes them": lambda: (
+            torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format),
+            x.new_empty((m,)),
+            x.new_empty((m, n)),
+        ),
+        "step: the same three as torch.empty(shape, dtype=, device=)": lambda: (
             torch.empty((m, 4096), dtype=torch.int8, device=x.device),
             torch.empty((m,), dtype=torch.float16, device=x.device),
             torch.empty((m, n), dtype=torch.float16, device=x.device),
@@ -137,11 +142,45 @@ def flash_steps(shape) -> dict:
         "step: the problem's key and plan lookup": lambda: flash_ops._forward_plans.get(
             problem_key(q, k, v)
         ),
-        "step: two allocations (out, lse)": lambda: (
-            torch.empty(shape, dtype=torch.bfloat16, device=q.device),
-            torch.empty(shape[:-1], dtype=torch.float32, device=q.device),
+        "step: two allocations (out, lse) as the plan makes them": lambda: (
+            q.new_empty(shape, dtype=torch.bfloat16),
+            q.new_empty(shape[:-1], dtype=torch.float32),
         ),
         "step: the plan's Launch (C launcher)": lambda: plan.launch(q, k, v, out, lse, scale),
+    }
+
+
+def launch_floor_steps() -> dict:
+    """One launch of swiglu's forward kernel (128x128 fp32) by each route, beside one whole ATen
+    op and its allocation: how much of a launch is the driver's."""
+    a, b = (torch.randn(128, 128, device="cuda") for _ in range(2))
+    out = torch.empty_like(a)
+    swiglu(a, b)
+    prepared = next(
+        p for k, p in swiglu_ops._launches.items() if k[0] is swiglu_ops.swiglu_fwd_kernel and k[3]
+    )
+    args = (a, b, out, a.numel())
+    head = (prepared.kernel, a.get_device(), prepared.num_warps, prepared.num_stages)
+    head += tuple(prepared.options.items())
+    compiled = launcher._compiled[native.get().key(head, args, prepared.constexprs)][0]
+    stream = torch._C._cuda_getCurrentRawStream(a.get_device())
+    meta = (compiled.function, compiled.packed_metadata, None, None, None)
+    constexprs = tuple(prepared.constexprs.values())
+    return {
+        "torch.mul(a, b): one whole ATen op (allocation, dispatch, launch)": lambda: torch.mul(
+            a, b
+        ),
+        "torch.empty_like(a)": lambda: torch.empty_like(a),
+        "our prepared Launch (C: device, stream, key, lookup, cuLaunchKernel)": lambda: prepared(
+            32, args
+        ),
+        "Triton's own launcher, CompiledKernel.run, same kernel": lambda: compiled.run(
+            32, 1, 1, stream, *meta, *args, *constexprs
+        ),
+        "step: the C launcher's key alone": lambda: native.get().key(
+            head, args, prepared.constexprs
+        ),
+        "step: the current-stream query": lambda: torch._C._cuda_getCurrentRawStream(0),
     }
 
 
@@ -191,6 +230,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     groups = {
+        "one launch": launch_floor_steps(),
         "swiglu() 128x128 float32": swiglu_steps(torch.float32),
         "Int8Linear M 128, K 4096, N 4096": int8_steps(128, 4096),
         "Int8Linear M 4096, K 4096, N 4096": int8_steps(4096, 4096),
