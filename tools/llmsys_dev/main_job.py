@@ -34,6 +34,9 @@ def load_sweep(package_path: Path):
         return None
     spec = importlib.util.spec_from_file_location(f"sweep_{package_path.name}", path)
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as an import would: dataclasses (and pickling) look the
+    # module up by name while the file executes.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

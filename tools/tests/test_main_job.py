@@ -79,3 +79,15 @@ def test_report_from_committed_results_links_them_instead_of_copying(tmp_path):
     text = report.read_text()
     assert f"CSV: [`{link}`]({link})" in text and f"]({link[:-4]}.png)" in text
     assert "| moe_permute |" in text
+
+
+@pytest.mark.parametrize(
+    "package", sorted(p.parents[1].name for p in ROOT.glob("packages/*/benchmarks/sweep.py"))
+)
+def test_every_sweep_loads_as_the_main_job_loads_it(package):
+    # A sweep defining a dataclass failed here on a GPU host: the module was not registered in
+    # sys.modules while it ran.
+    from llmsys_dev.main_job import load_sweep
+
+    sweep = load_sweep(ROOT / "packages" / package)
+    assert callable(sweep.run)
