@@ -501,3 +501,11 @@ def test_gpu_mismatched_devices_raise_value_error():
     a, b = torch.randn(4), torch.randn(4, device="cuda")
     with pytest.raises(ValueError, match=r"`b` must be on the device of `a`"):
         swiglu(a, b)
+
+
+def test_launch_config_takes_whole_large_programs_from_a_million_elements():
+    assert ops.launch_config(1024 * 1024) == (4096, 8)  # 2**20 in whole programs of 4096
+    assert ops.launch_config(1000 * 1001) == (512, 4)  # a masked last program: small ones
+    assert ops.launch_config(1024 * 1024 + 1) == (512, 4)
+    assert ops.launch_config(1 << 24) == (4096, 8)
+    assert ops.launch_config((1 << 24) + 1) == (4096, 8)

@@ -56,15 +56,16 @@ def launch_config(n_elements: int) -> tuple[int, int]:
     """(BLOCK_SIZE, num_warps) for a flat tensor of ``n_elements``.
 
     Measured kernel by kernel on an H100 (DECISIONS.md): 512 elements per program on 4 warps
-    is the fastest or within 1% of it from 105 elements to 16M, except 1024x1024 bf16 (6% behind
-    1024 per program); 1024 and more made the single
-    program of a tiny tensor 40% slower (2.4 us against 1.7) and the masked last program of an
-    odd size (1000x1001) the slowest of the launch (4.2 us against 2.7 at 4096). From 2**24
-    elements up 4096 per program keeps the measured copy-bandwidth rows.
+    is the fastest or within 1% of it from 105 elements to 16M at sizes with a partial last
+    program; 1024 and more made the single program of a tiny tensor 40% slower (2.4 us against
+    1.7) and the masked last program of an odd size (1000x1001) the slowest of the launch (4.2 us
+    against 2.7 at 4096). From 2**20 elements in whole programs of 4096 (1024x1024), and from
+    2**24 elements at any size, 4096 per program on 8 warps: the configuration before 0.3.0
+    there, which ran 1024x1024 bf16 6-11% faster than 512 (kernels-swiglu sweep, 2026-11-26).
     """
-    if n_elements < 1 << 24:
-        return 512, 4
-    return 4096, 8
+    if n_elements >= 1 << 24 or (n_elements >= 1 << 20 and n_elements % 4096 == 0):
+        return 4096, 8
+    return 512, 4
 
 
 _launches: dict[tuple, Launch] = {}  # (kernel, block, float64?, on CUDA?) -> its Launch
