@@ -37,7 +37,11 @@ def load_sweep(package_path: Path):
     # Registered before it runs, as an import would: dataclasses (and pickling) look the
     # module up by name while the file executes.
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[spec.name]  # as a failed import leaves nothing behind
+        raise
     return module
 
 

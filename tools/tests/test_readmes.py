@@ -31,3 +31,11 @@ def test_every_results_block_names_its_gpu_date_and_command():
         text = readme_results.package_table(table, ROOT)
         first = text.splitlines()[0]
         assert "NVIDIA" in first and "made by `" in first and "2026-" in first, name
+
+
+def test_flash_hopper_table_lists_the_sweeps_hopper_cases():
+    from llmsys_dev.main_job import load_sweep
+
+    sweep = load_sweep(ROOT / "packages" / "flash-attn2")
+    labels = {case.label for case in sweep.hopper_cases()}
+    assert set(readme_results.FLASH_HOPPER_CASES) == labels

@@ -11,8 +11,9 @@ with config "OOM"; naive attention is left out where its scores would not fit (`
 
 Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys.bench_harness``; throughput in TFLOP/s,
 counting a forward as ``4 * B * H * N^2 * d``, halved when causal, and a backward as 2.5x that;
-speed-up over SDPA's cuDNN backend where it ran, else naive's) and ``results/<gpu>.png``. Run
-``python benchmarks/sweep.py --help``; the ``bench`` main job calls :func:`run`.
+speed-up over SDPA's cuDNN backend where it ran, else SDPA flash's, else naive's) and
+``results/<gpu>.png``. Run ``python benchmarks/sweep.py --help``; the ``bench`` main job calls
+:func:`run`.
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ def skipped(device: str) -> list[str]:
     """What this sweep leaves out on ``device``, and why."""
     if device != "cuda":
         return [
-            "SDPA flash/cuDNN, torch.compile and every size above 1x4x96x16 need a CUDA GPU "
-            "(on CPU the Triton kernels run under the slow interpreter)"
+            "SDPA flash/cuDNN, torch.compile and every case beyond the three CPU cases need a "
+            "CUDA GPU (on CPU the Triton kernels run under the slow interpreter)"
         ]
     return [
         "default run: the single-head grid is a subset (python benchmarks/sweep.py --full runs "
@@ -240,7 +241,7 @@ def _time_modes(fn, case: Case, device: str, results: dict) -> None:
     causal = case.causal
     with torch.no_grad():
         results["fwd"] = harness.time_ms(lambda: fn(q, k, v, causal), device=device)
-    if case.modes == ("fwd",):
+    if "fwd_bwd" not in case.modes:
         return
     grad_out = torch.randn_like(q)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -417,16 +418,16 @@ def plot(rows: list[harness.Row], path: Path) -> Path:
             panels.append((_lines, forward, f"forward, 4x32xNx{d} bf16 causal, TFLOP/s"))
     columns = 4
     widths = [2 if draw is _bars else 1 for draw, _, _ in panels]  # the bars get two columns
-    places, column, row = [], 0, 0
+    places, column, line = [], 0, 0  # (grid row, first column, width) of each panel
     for width in widths:
         if column + width > columns:
-            column, row = 0, row + 1
-        places.append((row, column, width))
+            column, line = 0, line + 1
+        places.append((line, column, width))
         column += width
-    fig = plt.figure(figsize=(4.5 * columns, 3.8 * (row + 1)))
-    grid = fig.add_gridspec(row + 1, columns)
-    for (draw, subset, title), (row, column, width) in zip(panels, places, strict=True):
-        draw(fig.add_subplot(grid[row, column : column + width]), subset, title)
+    fig = plt.figure(figsize=(4.5 * columns, 3.8 * (line + 1)))
+    grid = fig.add_gridspec(line + 1, columns)
+    for (draw, subset, title), (at_row, at_column, width) in zip(panels, places, strict=True):
+        draw(fig.add_subplot(grid[at_row, at_column : at_column + width]), subset, title)
     return harness.save_figure(
         fig, path, f"FlashAttention-2 on {rows[0].gpu}" if rows else "FlashAttention-2", dpi=100
     )

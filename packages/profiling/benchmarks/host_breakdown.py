@@ -42,11 +42,19 @@ class _Identity(torch.autograd.Function):
         return (grad,) * len(ctx.needs_input_grad)
 
 
+def swiglu_forward_launch(a: torch.Tensor):
+    """The prepared Launch and grid of swiglu's forward kernel for ``a`` (already called once)."""
+    n = a.numel()
+    block, _ = swiglu_ops.launch_config(n)
+    key = (swiglu_ops.swiglu_fwd_kernel, block, a.dtype is torch.float64, a.is_cuda)
+    return swiglu_ops._launches[key], -(-n // block)
+
+
 def swiglu_steps(dtype) -> dict:
     a, b = (torch.randn(128, 128, device="cuda", dtype=dtype) for _ in range(2))
     out = torch.empty_like(a)
     swiglu(a, b)
-    prepared = next(iter(swiglu_ops._launches.values()))
+    prepared, grid = swiglu_forward_launch(a)
     return {
         "eager F.silu(a) * b": lambda: F.silu(a) * b,
         "swiglu(), the whole call": lambda: swiglu(a, b),
@@ -59,7 +67,7 @@ def swiglu_steps(dtype) -> dict:
         "step: a.contiguous(), b.contiguous()": lambda: (a.contiguous(), b.contiguous()),
         "step: torch.empty_like(a)": lambda: torch.empty_like(a),
         "step: the prepared Launch (C: key, lookup, cuLaunchKernel)": lambda: prepared(
-            32, (a, b, out, a.numel())
+            grid, (a, b, out, a.numel())
         ),
     }
 
@@ -156,9 +164,7 @@ def launch_floor_steps() -> dict:
     a, b = (torch.randn(128, 128, device="cuda") for _ in range(2))
     out = torch.empty_like(a)
     swiglu(a, b)
-    prepared = next(
-        p for k, p in swiglu_ops._launches.items() if k[0] is swiglu_ops.swiglu_fwd_kernel and k[3]
-    )
+    prepared, grid = swiglu_forward_launch(a)
     args = (a, b, out, a.numel())
     head = (prepared.kernel, a.get_device(), prepared.num_warps, prepared.num_stages)
     head += tuple(prepared.options.items())
@@ -172,15 +178,17 @@ def launch_floor_steps() -> dict:
         ),
         "torch.empty_like(a)": lambda: torch.empty_like(a),
         "our prepared Launch (C: device, stream, key, lookup, cuLaunchKernel)": lambda: prepared(
-            32, args
+            grid, args
         ),
         "Triton's own launcher, CompiledKernel.run, same kernel": lambda: compiled.run(
-            32, 1, 1, stream, *meta, *args, *constexprs
+            grid, 1, 1, stream, *meta, *args, *constexprs
         ),
         "step: the C launcher's key alone": lambda: native.get().key(
             head, args, prepared.constexprs
         ),
-        "step: the current-stream query": lambda: torch._C._cuda_getCurrentRawStream(0),
+        "step: the current-stream query": lambda: torch._C._cuda_getCurrentRawStream(
+            a.get_device()
+        ),
     }
 
 

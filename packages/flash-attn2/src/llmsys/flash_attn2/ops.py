@@ -109,7 +109,7 @@ def check_grad_out(op: str, grad_out, out) -> None:
 def _alloc(like: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     """Every output buffer comes from here (tests fill it with NaN to catch unwritten elements),
     on ``like``'s device: ``new_empty`` cost about 1 us less per call than
-    ``torch.empty(shape, dtype=, device=)`` on an H100 host (kernels-int8 DECISIONS.md)."""
+    ``torch.empty(shape, dtype=, device=)`` on an H100 host (triton-launch DECISIONS.md)."""
     return like.new_empty(shape, dtype=dtype)
 
 
