@@ -72,7 +72,8 @@ def tile_configs(head_dim: int, dtype: torch.dtype) -> tuple[TileConfig, TileCon
 
 
 # H100, 4x32x8192x128 bf16: the TMA forward 574 / 566 TFLOP/s causal / not, the pointer forward
-# 489 / 505 (DECISIONS.md). At head dim 64 it was slower at 1x16x16384 causal (427 against 444).
+# 489 / 505 (DECISIONS.md). At head dim 64 it was slower in all eight cases measured three times
+# each (3-17%; 1x16x16384 causal 384 against 415).
 TMA_HEAD_DIMS = (128,)
 # The TMA forward from this much work (2 * B * H * N_q * N_k * d, the causal count): about
 # 100 us of kernel at 500 TFLOP/s. Below it the descriptors' host cost showed: 1x32x1024x128
