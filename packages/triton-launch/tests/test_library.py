@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmsys.triton_launch import call_below_autograd, define_op, library, wants_grad
 from llmsys.triton_launch.library import _direct_call_ok
+from llmsys.triton_launch.plans import PythonEntry
 
 impl_calls = []
 
@@ -83,27 +84,28 @@ def test_plain_tensors_call_the_impl_directly():
 
 @pytest.fixture
 def direct_calls(monkeypatch):
-    """Who called the impl through library._impls (the shortcut; the dispatcher calls the impl
-    it registered): the names of the two calling functions, per call."""
+    """Who called the impl through library._impls: the names of the two calling functions, per
+    call (the shortcut: ``below_autograd`` from ``call_below_autograd``; the dispatcher: the
+    entry's ``__call__`` from the registered kernel)."""
     calls = []
 
     def recording(x):
         calls.append((sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name))
         return _double(x)
 
-    monkeypatch.setitem(library._impls, double_op, recording)
+    monkeypatch.setitem(library._impls, double_op, PythonEntry(recording, double_op, None))
     return calls
 
 
 def test_the_shortcut_is_taken_in_eager_mode_and_skipped_under_a_mode(direct_calls):
     x = torch.randn(4, requires_grad=True)
     double(x.detach())  # the public function runs the impl itself, not through the op
-    assert direct_calls == [("call_below_autograd", "double")]
+    assert direct_calls == [("below_autograd", "call_below_autograd")]
     torch.autograd.grad(double(x), x, torch.ones(4))  # the Function's forward and backward
-    assert [caller for caller, _ in direct_calls[1:]] == ["call_below_autograd"] * 2
+    assert direct_calls[1:] == [("below_autograd", "call_below_autograd")] * 2
     with _SeesOps():
         double(x.detach())
-    assert len(direct_calls) == 3
+    assert direct_calls[3:] == [("__call__", "kernel")]  # through the op
 
 
 @pytest.mark.parametrize(

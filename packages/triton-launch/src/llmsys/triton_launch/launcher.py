@@ -13,6 +13,8 @@ enqueues on the current stream and never synchronizes, so it can be captured in 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 
@@ -155,9 +157,20 @@ def launch(
     _launch(kernel, grid, args, constexprs, num_warps, num_stages, options)
 
 
+class _Recording(threading.local):
+    active = None  # plans._Recording while an impl is recorded on this thread
+
+
+recording = _Recording()
+
+
 def _launch(kernel, grid, args, constexprs: dict, num_warps, num_stages, options: dict) -> None:
     """``launch`` with its compile options as one dict (``Launch`` passes its own; never
     modified here)."""
+    if recording.active is not None:
+        recording.active.launches.append(
+            (kernel, grid, args, constexprs, num_warps, num_stages, options)
+        )
     module = native.get()
     key = None
     if module is not None:  # the whole launch in C, when it can be had

@@ -26,11 +26,12 @@ from collections.abc import Callable
 
 import torch
 
-from . import native
+from . import native, plans
 
 DEVICES = ("CPU", "CUDA")
 
-_impls: dict = {}  # op (OpOverload) -> the Python implementation define_op registered for it
+# op (OpOverload) -> its entry: its impl, called as plans.PythonEntry or native_plans.Plans
+_impls: dict = {}
 # Arguments other than tensors that cannot intercept a call (an FX Proxy, say, would).
 _PLAIN_TYPES = frozenset((int, float, bool, type(None)))
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
@@ -41,12 +42,25 @@ def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Cal
     ``fake`` for tracing; returns the op's default overload."""
     name = schema.split("(", 1)[0]
     lib.define(schema)
-    for device in DEVICES:
-        lib.impl(name, impl, device)
-    torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
     op = getattr(getattr(torch.ops, lib.ns), name).default
-    _impls[op] = impl
+
+    def kernel(*args):  # the op's entry: its impl, replayed from a recorded plan where it can be
+        return _impls[op](*args)
+
+    for device in DEVICES:
+        lib.impl(name, kernel, device)
+    torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
+    _impls[op] = plans.PythonEntry(impl, op, _native_entry)
     return op
+
+
+def _native_entry(entry: plans.PythonEntry):
+    """Replace ``entry`` by a ``native_plans.Plans`` of the same impl, where it can be built."""
+    module = plans.native_module()
+    if module is None:
+        return None
+    native_entry = _impls[entry.op] = module.Plans(entry.impl, entry.op)
+    return native_entry
 
 
 # The thread-state tests of _direct_call_ok, bound once: an attribute chain per test per call was
@@ -166,9 +180,9 @@ def call_below_autograd(op, *args):
     dispatcher would do and autograd records nothing (``_plain_call``), else the op. A backward
     run with ``create_graph=True`` (grad mode on, saved inputs requiring grad) goes through the
     op, so its autograd sees the call as it would without this shortcut."""
-    impl = _impls.get(op)
-    if impl is None:
+    entry = _impls.get(op)
+    if entry is None:
         raise ValueError(f"call_below_autograd: `op` must be an op made by define_op, got {op}")
-    if _plain_call(args) is False:
-        return impl(*args)
-    return op(*args)
+    if _is_compiling():  # (asked in Python: dynamo folds it and traces the op)
+        return op(*args)
+    return entry.below_autograd(args)

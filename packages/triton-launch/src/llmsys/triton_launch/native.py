@@ -8,6 +8,7 @@ pure-Python fallback, which works everywhere and costs about 4 us more per launc
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -23,6 +24,7 @@ import torch
 import triton
 
 SOURCE = Path(__file__).with_name("native_launch.c")
+PLANS_SOURCE = Path(__file__).with_name("native_plans.cpp")
 # Triton signature types -> native_launch.c's kinds (pointers, integers, floats, constexprs).
 _KINDS = {"i1": "b", "i8": None, "i32": "i", "i64": "l", "u32": "I", "u64": "L"}
 _KINDS |= {"fp32": "f", "f32": "f", "fp64": "d", "constexpr": "-"}
@@ -37,30 +39,61 @@ def cache_dir() -> Path:
 def build(directory: Path | None = None) -> Path:
     """Compile ``native_launch.c`` into ``directory`` (default ``cache_dir()``) once per source
     and interpreter; returns the shared library's path."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    flags = ["-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}"]
+    return _compile(SOURCE, compiler, flags, ["-ldl"], b"", directory)
+
+
+def build_plans(directory: Path | None = None) -> Path:
+    """Compile ``native_plans.cpp`` against this torch's headers and libraries (as
+    ``torch.utils.cpp_extension`` would, without needing ninja) once per source, interpreter and
+    torch; returns the shared library's path. About 20 s the first time."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    flags += [
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+    ]
+    flags += [f"-I{sysconfig.get_paths()['include']}", "-w"]  # torch's headers warn under c++17
+    libraries = [f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch_python"]
+    libraries.append(f"-Wl,-rpath,{root / 'lib'}")
+    identity = f"{torch.__version__} {root}".encode()
+    return _compile(PLANS_SOURCE, compiler, flags, libraries, identity, directory)
+
+
+def _compile(source: Path, compiler, flags, libraries, identity: bytes, directory) -> Path:
+    """Compile ``source`` into a Python extension in ``directory`` (default ``cache_dir()``),
+    named by a hash of everything that goes into it; reused when it exists."""
     directory = cache_dir() if directory is None else directory
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + suffix.encode()).hexdigest()[:16]
-    target = directory / f"native_launch_{tag}{suffix}"
+    text = source.read_bytes() + suffix.encode() + identity + " ".join(flags).encode()
+    tag = hashlib.sha256(text).hexdigest()[:16]
+    target = directory / f"{source.stem}_{tag}{suffix}"
     if target.exists():
         return target
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
-        raise RuntimeError("no C compiler (set CC, or install gcc or clang)")
-    include = sysconfig.get_paths()["include"]
+        raise RuntimeError(f"no compiler for {source.name} (set CC and CXX, or install gcc)")
     directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        built = Path(scratch) / target.name
-        command = [compiler, "-O2", "-shared", "-fPIC", f"-I{include}", str(SOURCE), "-o"]
-        result = subprocess.run([*command, str(built), "-ldl"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr}")
-        os.replace(built, target)  # atomic: concurrent first uses each build, one wins
+    # One build at a time per cache (test workers starting together wait for the first).
+    with open(directory / f"{source.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory(dir=directory) as scratch:
+            built = Path(scratch) / target.name
+            command = [compiler, *flags, str(source), "-o", str(built), *libraries]
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+            os.replace(built, target)  # atomic: a reader never sees half a file
     return target
 
 
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location("native_launch", path)
+def load(path: Path, name: str = "native_launch"):
+    """Import the extension module ``name`` from ``path``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -20,6 +20,9 @@
  *   key(head, args, constexprs) -> the same key (head: kernel, device, num_warps, num_stages,
  *          then one (name, value) pair per option), or None
  *   pack(kinds, *args) -> bytes            (the parameter bytes, for tests without a GPU)
+ *   hooks_installed() -> whether Triton's launch hooks are installed
+ *   driver() -> cuLaunchKernel as a capsule named "cuLaunchKernel" (native_plans.cpp launches
+ *          with it); loads the driver, so it raises without one
  *   plain(args, tests, autograd_records, strided)
  *       -> False: an op's impl may be called directly with args (library.py's test, in C):
  *          every one of `tests` (zero-argument callables: modes, tracing, profiler) returns a
@@ -460,6 +463,17 @@ static PyObject *plain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return PyBool_FromLong(recorded);
 }
 
+static PyObject *hooks(PyObject *self, PyObject *unused) {
+    int installed = hooks_installed();
+    if (installed < 0) return NULL;
+    return PyBool_FromLong(installed);
+}
+
+static PyObject *driver(PyObject *self, PyObject *unused) {
+    if (cu_launch_kernel == NULL && !load_driver()) return NULL;
+    return PyCapsule_New((void *)cu_launch_kernel, "cuLaunchKernel", NULL);
+}
+
 static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1) {
         PyErr_SetString(PyExc_TypeError, "native_launch.pack: too few arguments");
@@ -500,6 +514,8 @@ static PyMethodDef methods[] = {
     {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, "The packed parameter bytes."},
     {"plain", (PyCFunction)(void (*)(void))plain, METH_FASTCALL,
      "Whether an op's impl may be called directly."},
+    {"hooks_installed", hooks, METH_NOARGS, "Whether Triton's launch hooks are installed."},
+    {"driver", driver, METH_NOARGS, "cuLaunchKernel, as a capsule (for native_plans)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,633 @@
+/* Recorded plans: an op's call replayed below Python.
+ *
+ * An op's Python impl checks its arguments, allocates its outputs and launches its kernels. All
+ * of that is decided by the arguments' metadata (dtype, sizes, strides, device, the low bits of
+ * each data pointer) and the values of its ints, floats and bools: the call's signature. So a
+ * call whose signature has been seen can skip the Python: allocate the same outputs with
+ * at::empty_strided, launch the same kernels with the new pointers, and return what the impl
+ * returned. plans.py records what the impl did (its allocations, its launches and its result) and
+ * hands it here as data; this file keeps one table of signatures per op and replays.
+ *
+ * The table follows each signature through its calls:
+ *   call 1: the impl runs as it is (it compiles, tunes and fills its caches);
+ *   calls 2 and 3: the impl runs under plans.py's recorder; two equal recordings become the plan;
+ *   a recording that fails (the impl did anything but allocate, view and launch), or two that
+ *   differ, leave the signature to the impl for good.
+ *
+ *   init(plain, tests, autograd_records, strided, hooks_installed, recorder, launch_kernel)
+ *       once: native_launch.plain and its arguments (the thread-state tests library.py uses),
+ *       native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or None),
+ *       and cuLaunchKernel as a capsule (native_launch.driver())
+ *   Plans(impl, op)
+ *       plans(*args): the impl's result, replayed where a plan exists (an op's registered
+ *           kernel: the dispatcher has done its work)
+ *       plans.below_autograd(args): library.call_below_autograd: the impl's result (replayed
+ *           where it can be) when native_launch.plain says autograd records nothing and the
+ *           dispatcher would only call the impl; else op(*args)
+ *       plans.install(args, plan): install a plan for args' signature (tests)
+ *       plans.states(): {'planned': n, 'pending': n, 'refused': n}
+ *       plans.clear()
+ *
+ * A plan (plans.py builds it) is (allocations, launches, result):
+ *   allocations: ((sizes, strides, dtype), ...), allocated on the call's device
+ *   launches: ((function, (grid_x, grid_y, grid_z), threads, shared_bytes, params), ...), in
+ *       order, where a step (index,) is a contiguous copy of argument `index` (an impl's
+ *       `.contiguous()` of a strided argument),
+ *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds as
+ *       native_launch.c's ('p' pointer, 'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8,
+ *       'f' float32, 'd' float64); source 0: the constant value; 1: the data pointer of argument
+ *       `index` plus `value` bytes; 2: the same of allocation `index`; 3: of copy `index`.
+ *       Triton's two scratch
+ *       pointers (NULL) are appended, as native_launch.c does.
+ *   result: (0, ()) None; (1, (output,)) one tensor; (2, (output, ...)) a tuple, where an output
+ *       is (allocation,) or (allocation, sizes, strides, storage_offset) for a view of it.
+ *
+ * Replay needs CUDA tensors on the current device and no Triton launch hooks; anything else
+ * goes to the impl. Kernels launch on the current stream, as the impl's would.
+ */
+#include <Python.h>
+
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+typedef int (*launch_kernel_t)(void *function, unsigned grid_x, unsigned grid_y, unsigned grid_z,
+                               unsigned block_x, unsigned block_y, unsigned block_z,
+                               unsigned shared_bytes, void *stream, void **params, void **extra);
+
+launch_kernel_t cu_launch_kernel = nullptr;
+PyObject *plain_fn, *thread_tests, *autograd_records, *strided, *hooks_fn, *recorder;
+
+constexpr int MAX_PARAMS = 128;
+constexpr size_t MAX_SIGNATURES = 256;  // per op: past it, new signatures go to the impl
+
+union Slot {
+    uint64_t u64;
+    int64_t i64;
+    uint32_t u32;
+    int32_t i32;
+    int8_t i8;
+    float f32;
+    double f64;
+};
+
+struct Param {
+    char kind;
+    int source;  // 0 constant, 1 argument, 2 allocation, 3 copy
+    int index;
+    int64_t offset;  // bytes past the pointer (sources 1 and 2)
+    Slot constant;   // (source 0)
+};
+
+struct Launch {  // or, where copy_of >= 0, a contiguous copy of that argument
+    int copy_of;
+    void *function;
+    unsigned grid[3];
+    unsigned threads, shared;
+    std::vector<Param> params;
+};
+
+struct Allocation {
+    std::vector<int64_t> sizes, strides;
+    c10::ScalarType dtype;
+};
+
+struct Output {
+    int allocation;  // -1: None
+    bool view;
+    std::vector<int64_t> sizes, strides;
+    int64_t offset;
+};
+
+struct Plan {
+    std::vector<Allocation> allocations;
+    std::vector<Launch> launches;
+    int result;  // 0 None, 1 a tensor, 2 a tuple
+    std::vector<Output> outputs;
+};
+
+// One signature's state: its plan, or how far its recording has got.
+struct Entry {
+    int calls = 0;           // calls seen before the plan
+    bool refused = false;    // a failed or unstable recording: the impl from now on
+    PyObject *first = NULL;  // the first recording (a new reference)
+    std::unique_ptr<Plan> plan;
+};
+
+typedef std::vector<int64_t> Signature;
+
+struct SignatureHash {
+    size_t operator()(const Signature &s) const {
+        size_t h = s.size();
+        for (int64_t v : s) h = h * 1000003u ^ std::hash<int64_t>()(v);
+        return h;
+    }
+};
+
+typedef std::unordered_map<Signature, Entry, SignatureHash> Table;
+
+/* The signature of args, and the CUDA device of its tensors; false (no error set) when the call
+ * is not one to replay: a tensor not on CUDA or not strided, tensors on two devices, no tensor,
+ * an int past 64 bits, an argument other than a tensor, int, float, bool or None. */
+bool signature(PyObject *const *args, Py_ssize_t n, Signature &sig, int &device) {
+    device = -1;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject *arg = args[i];
+        if (THPVariable_CheckExact(arg)) {
+            const at::Tensor &t = THPVariable_Unpack(arg);
+            if (t.layout() != c10::kStrided || !t.is_cuda()) return false;
+            int index = t.get_device();
+            if (device >= 0 && index != device) return false;
+            device = index;
+            sig.push_back(1);
+            sig.push_back(static_cast<int64_t>(t.scalar_type()));
+            sig.push_back(t.requires_grad());
+            sig.push_back(t.dim());
+            for (int64_t s : t.sizes()) sig.push_back(s);
+            for (int64_t s : t.strides()) sig.push_back(s);
+            // Triton specializes on 16-byte alignment, and a check may ask more: the low bits.
+            sig.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) & 127);
+        } else if (arg == Py_None) {
+            sig.push_back(2);
+        } else if (PyBool_Check(arg)) {
+            sig.push_back(3);
+            sig.push_back(arg == Py_True);
+        } else if (PyLong_CheckExact(arg)) {
+            int overflow;
+            long long v = PyLong_AsLongLongAndOverflow(arg, &overflow);
+            if (overflow || (v == -1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                return false;
+            }
+            sig.push_back(4);
+            sig.push_back(v);
+        } else if (PyFloat_CheckExact(arg)) {
+            double v = PyFloat_AS_DOUBLE(arg);
+            int64_t bits;
+            std::memcpy(&bits, &v, sizeof bits);
+            sig.push_back(5);
+            sig.push_back(bits);
+        } else {
+            return false;
+        }
+    }
+    return device >= 0;
+}
+
+char *pointer_of(const at::Tensor &t) { return static_cast<char *>(t.data_ptr()); }
+
+/* Replay plan with args on `device`: the result (a new reference), NULL with an error set, or
+ * NULL with none set when the call must go to the impl. */
+PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
+    HANDLE_TH_ERRORS
+    const c10::impl::DeviceGuardImplInterface *cuda =
+        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    c10::Device where(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+    if (cuda->getDevice() != where) return NULL;  // the impl sets the device for the launch
+    PyObject *hooked = PyObject_CallNoArgs(hooks_fn);
+    if (hooked == NULL) return NULL;
+    int installed = PyObject_IsTrue(hooked);
+    Py_DECREF(hooked);
+    if (installed != 0) return NULL;  // a profiler's launch hooks (or an error): the impl
+
+    std::vector<at::Tensor> allocations;
+    allocations.reserve(plan.allocations.size());
+    for (const Allocation &a : plan.allocations)
+        allocations.push_back(at::empty_strided(
+            a.sizes, a.strides, at::TensorOptions().dtype(a.dtype).device(where)));
+
+    void *stream = plan.launches.empty() ? nullptr : cuda->getStream(where).native_handle();
+    Slot slots[MAX_PARAMS];
+    void *params[MAX_PARAMS];
+    std::vector<at::Tensor> copies;
+    for (const Launch &launch : plan.launches) {
+        if (launch.copy_of >= 0) {
+            copies.push_back(THPVariable_Unpack(args[launch.copy_of]).contiguous());
+            continue;
+        }
+        size_t n = launch.params.size();
+        for (size_t i = 0; i < n; ++i) {
+            const Param &p = launch.params[i];
+            if (p.source == 0) {
+                slots[i] = p.constant;
+            } else {
+                const at::Tensor &t = p.source == 1   ? THPVariable_Unpack(args[p.index])
+                                      : p.source == 2 ? allocations[p.index]
+                                                      : copies[p.index];
+                slots[i].u64 = reinterpret_cast<uint64_t>(pointer_of(t) + p.offset);
+            }
+            params[i] = &slots[i];
+        }
+        slots[n].u64 = slots[n + 1].u64 = 0;  // Triton's global and profile scratch: NULL
+        params[n] = &slots[n];
+        params[n + 1] = &slots[n + 1];
+        int status = cu_launch_kernel(launch.function, launch.grid[0], launch.grid[1],
+                                      launch.grid[2], launch.threads, 1, 1, launch.shared, stream,
+                                      params, NULL);
+        if (status != 0) {
+            PyErr_Format(PyExc_RuntimeError, "native_plans: cuLaunchKernel failed (%d)", status);
+            return NULL;
+        }
+    }
+
+    if (plan.result == 0) Py_RETURN_NONE;
+    PyObject *out = PyTuple_New(plan.outputs.size());
+    if (out == NULL) return NULL;
+    for (size_t i = 0; i < plan.outputs.size(); ++i) {
+        const Output &o = plan.outputs[i];
+        PyObject *item;
+        if (o.allocation < 0) {
+            item = Py_NewRef(Py_None);
+        } else if (o.view) {
+            item = THPVariable_Wrap(
+                allocations[o.allocation].as_strided(o.sizes, o.strides, o.offset));
+        } else {
+            item = THPVariable_Wrap(allocations[o.allocation]);
+        }
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    if (plan.result == 2) return out;
+    PyObject *single = Py_NewRef(PyTuple_GET_ITEM(out, 0));
+    Py_DECREF(out);
+    return single;
+    END_HANDLE_TH_ERRORS
+}
+
+// --- reading a plan from plans.py's data -------------------------------------------------------
+
+bool fail_format(const char *what) {
+    PyErr_Format(PyExc_ValueError, "native_plans: a plan's %s is malformed", what);
+    return false;
+}
+
+bool read_ints(PyObject *obj, std::vector<int64_t> &out) {
+    if (!PyTuple_Check(obj)) return fail_format("sizes or strides");
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); ++i) {
+        out.push_back(PyLong_AsLongLong(PyTuple_GET_ITEM(obj, i)));
+        if (PyErr_Occurred()) return false;
+    }
+    return true;
+}
+
+bool read_param(PyObject *obj, Param &p) {
+    const char *kind;
+    PyObject *value;
+    if (!PyArg_ParseTuple(obj, "siiO", &kind, &p.source, &p.index, &value)) return false;
+    p.kind = kind[0];
+    p.offset = 0;
+    p.constant.u64 = 0;
+    if (p.source != 0) {
+        if (p.kind != 'p' || p.source > 3 || p.index < 0) return fail_format("pointer");
+        p.offset = PyLong_AsLongLong(value);
+        return !PyErr_Occurred();
+    }
+    switch (p.kind) {
+    case 'p': case 'L': p.constant.u64 = PyLong_AsUnsignedLongLong(value); break;
+    case 'l': p.constant.i64 = PyLong_AsLongLong(value); break;
+    case 'i': p.constant.i32 = static_cast<int32_t>(PyLong_AsLong(value)); break;
+    case 'I': p.constant.u32 = static_cast<uint32_t>(PyLong_AsUnsignedLong(value)); break;
+    case 'b': p.constant.i8 = static_cast<int8_t>(PyObject_IsTrue(value)); break;
+    case 'f': p.constant.f32 = static_cast<float>(PyFloat_AsDouble(value)); break;
+    case 'd': p.constant.f64 = PyFloat_AsDouble(value); break;
+    default: return fail_format("parameter kind");
+    }
+    return !PyErr_Occurred();
+}
+
+bool read_output(PyObject *obj, Output &o, size_t n_allocations) {
+    o.view = false;
+    o.offset = 0;
+    if (obj == Py_None) {
+        o.allocation = -1;
+        return true;
+    }
+    if (!PyTuple_Check(obj) || (PyTuple_GET_SIZE(obj) != 1 && PyTuple_GET_SIZE(obj) != 4))
+        return fail_format("output");
+    o.allocation = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(obj, 0)));
+    if (PyErr_Occurred()) return false;
+    if (o.allocation < 0 || static_cast<size_t>(o.allocation) >= n_allocations)
+        return fail_format("output");
+    if (PyTuple_GET_SIZE(obj) == 4) {
+        o.view = true;
+        if (!read_ints(PyTuple_GET_ITEM(obj, 1), o.sizes)) return false;
+        if (!read_ints(PyTuple_GET_ITEM(obj, 2), o.strides)) return false;
+        o.offset = PyLong_AsLongLong(PyTuple_GET_ITEM(obj, 3));
+    }
+    return !PyErr_Occurred();
+}
+
+std::unique_ptr<Plan> read_plan(PyObject *obj, Py_ssize_t n_args) {
+    auto plan = std::make_unique<Plan>();
+    PyObject *allocations, *launches, *outputs;
+    if (!PyArg_ParseTuple(obj, "O!O!(iO!)", &PyTuple_Type, &allocations, &PyTuple_Type,
+                          &launches, &plan->result, &PyTuple_Type, &outputs))
+        return nullptr;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(allocations); ++i) {
+        Allocation a;
+        PyObject *sizes, *strides, *dtype;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(allocations, i), "O!O!O", &PyTuple_Type, &sizes,
+                              &PyTuple_Type, &strides, &dtype))
+            return nullptr;
+        if (!THPDtype_Check(dtype)) return fail_format("dtype"), nullptr;
+        a.dtype = reinterpret_cast<THPDtype *>(dtype)->scalar_type;
+        if (!read_ints(sizes, a.sizes) || !read_ints(strides, a.strides)) return nullptr;
+        if (a.sizes.size() != a.strides.size()) return fail_format("allocation"), nullptr;
+        plan->allocations.push_back(std::move(a));
+    }
+    size_t n_copies = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(launches); ++i) {
+        Launch l;
+        l.copy_of = -1;
+        PyObject *step = PyTuple_GET_ITEM(launches, i), *function, *params;
+        if (PyTuple_Check(step) && PyTuple_GET_SIZE(step) == 1) {  // a copy of an argument
+            l.copy_of = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(step, 0)));
+            if (PyErr_Occurred()) return nullptr;
+            if (l.copy_of < 0 || l.copy_of >= n_args) return fail_format("copy"), nullptr;
+            ++n_copies;
+            plan->launches.push_back(std::move(l));
+            continue;
+        }
+        if (!PyArg_ParseTuple(step, "O(III)IIO!", &function, &l.grid[0],
+                              &l.grid[1], &l.grid[2], &l.threads, &l.shared, &PyTuple_Type,
+                              &params))
+            return nullptr;
+        l.function = PyLong_AsVoidPtr(function);
+        if (PyErr_Occurred()) return nullptr;
+        if (PyTuple_GET_SIZE(params) + 2 > MAX_PARAMS) return fail_format("parameters"), nullptr;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(params); ++j) {
+            Param p;
+            if (!read_param(PyTuple_GET_ITEM(params, j), p)) return nullptr;
+            size_t bound = p.source == 1   ? n_args
+                           : p.source == 2 ? plan->allocations.size()
+                                           : n_copies;
+            if (p.source != 0 && static_cast<size_t>(p.index) >= bound)
+                return fail_format("pointer"), nullptr;
+            l.params.push_back(p);
+        }
+        plan->launches.push_back(std::move(l));
+    }
+    Py_ssize_t n_outputs = PyTuple_GET_SIZE(outputs);
+    if (!(plan->result == 0 ? n_outputs == 0 : plan->result == 1 ? n_outputs == 1 : plan->result == 2))
+        return fail_format("result"), nullptr;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(outputs); ++i) {
+        Output o;
+        if (!read_output(PyTuple_GET_ITEM(outputs, i), o, plan->allocations.size())) return nullptr;
+        if (plan->result == 1 && o.allocation < 0) return fail_format("result"), nullptr;
+        plan->outputs.push_back(std::move(o));
+    }
+    return plan;
+}
+
+// --- the Plans type ----------------------------------------------------------------------------
+
+struct PlansObject {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *impl;
+    PyObject *op;
+    Table *table;
+};
+
+PyObject *call_impl(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
+    return PyObject_Vectorcall(self->impl, args, n, NULL);
+}
+
+/* The impl's result for args, replayed or recorded where the signature allows. */
+PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
+    Signature sig;
+    int device;
+    if (!signature(args, n, sig, device)) return call_impl(self, args, n);
+    auto found = self->table->find(sig);
+    if (found == self->table->end()) {
+        if (self->table->size() >= MAX_SIGNATURES) return call_impl(self, args, n);
+        found = self->table->emplace(std::move(sig), Entry()).first;
+    }
+    Entry &entry = found->second;
+    if (entry.plan) {
+        PyObject *result = replay(*entry.plan, args, device);
+        if (result != NULL || PyErr_Occurred()) return result;
+        return call_impl(self, args, n);
+    }
+    if (entry.refused || entry.calls++ == 0) return call_impl(self, args, n);
+
+    // Calls 2 and 3: record. (The table may rehash while the impl runs: look the entry up again.)
+    Signature key = found->first;
+    PyObject *tuple = PyTuple_New(n);
+    if (tuple == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    PyObject *recorded = PyObject_CallFunctionObjArgs(recorder, self->impl, tuple, NULL);
+    Py_DECREF(tuple);
+    if (recorded == NULL) return NULL;
+    PyObject *result, *data;
+    if (!PyArg_ParseTuple(recorded, "OO", &result, &data)) {
+        Py_DECREF(recorded);
+        return NULL;
+    }
+    Py_INCREF(result);
+    Py_INCREF(data);
+    Py_DECREF(recorded);
+    auto again = self->table->find(key);
+    if (again == self->table->end()) {  // cleared meanwhile
+        Py_DECREF(data);
+        return result;
+    }
+    Entry &e = again->second;
+    if (data == Py_None || e.refused) {
+        e.refused = true;
+        Py_CLEAR(e.first);
+        Py_DECREF(data);
+        return result;
+    }
+    if (e.first == NULL) {
+        e.first = data;
+        return result;
+    }
+    int same = PyObject_RichCompareBool(e.first, data, Py_EQ);
+    Py_CLEAR(e.first);
+    if (same > 0) {
+        e.plan = read_plan(data, n);
+        if (!e.plan) same = -1;  // plans.py built a plan this file cannot read: a bug, raised
+    }
+    Py_DECREF(data);
+    if (same < 0) {
+        e.refused = true;
+        Py_DECREF(result);
+        return NULL;
+    }
+    e.refused = !same;
+    return result;
+}
+
+PyObject *plans_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                           PyObject *kwnames) {
+    PlansObject *self = reinterpret_cast<PlansObject *>(callable);
+    Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0)
+        return PyObject_Vectorcall(self->impl, args, nargsf, kwnames);
+    if (plain_fn == NULL) return call_impl(self, args, n);
+    PyObject *tuple = PyTuple_New(n);
+    if (tuple == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    // Under the dispatcher the thread-state test still decides: a mode or a tracer the impl's own
+    // allocations would meet sends the call to the impl.
+    PyObject *plain_args[4] = {tuple, thread_tests, autograd_records, strided};
+    PyObject *verdict = PyObject_Vectorcall(plain_fn, plain_args, 4, NULL);
+    Py_DECREF(tuple);
+    if (verdict == NULL) return NULL;
+    bool direct = verdict != Py_None;
+    Py_DECREF(verdict);
+    return direct ? run(self, args, n) : call_impl(self, args, n);
+}
+
+PyObject *plans_below_autograd(PlansObject *self, PyObject *args) {
+    if (!PyTuple_Check(args)) {
+        PyErr_SetString(PyExc_TypeError, "Plans.below_autograd(args: tuple)");
+        return NULL;
+    }
+    PyObject *plain_args[4] = {args, thread_tests, autograd_records, strided};
+    PyObject *verdict = PyObject_Vectorcall(plain_fn, plain_args, 4, NULL);
+    if (verdict == NULL) return NULL;
+    bool direct = verdict == Py_False;
+    Py_DECREF(verdict);
+    PyObject *const *items = &PyTuple_GET_ITEM(args, 0);
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (direct) return run(self, items, n);
+    return PyObject_Vectorcall(self->op, items, n, NULL);
+}
+
+PyObject *plans_install(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 2 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "Plans.install(args: tuple, plan)");
+        return NULL;
+    }
+    Signature sig;
+    int device;
+    Py_ssize_t n_args = PyTuple_GET_SIZE(args[0]);
+    if (!signature(&PyTuple_GET_ITEM(args[0], 0), n_args, sig, device)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "Plans.install: args have no replayable signature");
+        return NULL;
+    }
+    std::unique_ptr<Plan> plan = read_plan(args[1], n_args);
+    if (!plan) return NULL;
+    Entry &entry = (*self->table)[sig];
+    Py_CLEAR(entry.first);
+    entry.refused = false;
+    entry.plan = std::move(plan);
+    Py_RETURN_NONE;
+}
+
+PyObject *plans_states(PlansObject *self, PyObject *) {
+    long planned = 0, refused = 0, pending = 0;
+    for (const auto &item : *self->table) {
+        if (item.second.plan) ++planned;
+        else if (item.second.refused) ++refused;
+        else ++pending;
+    }
+    return Py_BuildValue("{s:l,s:l,s:l}", "planned", planned, "pending", pending, "refused",
+                         refused);
+}
+
+void clear_table(Table *table) {
+    for (auto &item : *table) Py_CLEAR(item.second.first);
+    table->clear();
+}
+
+PyObject *plans_clear(PlansObject *self, PyObject *) {
+    clear_table(self->table);
+    Py_RETURN_NONE;
+}
+
+PyObject *plans_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *impl, *op;
+    if (!PyArg_ParseTuple(args, "OO:Plans", &impl, &op)) return NULL;
+    PlansObject *self = reinterpret_cast<PlansObject *>(type->tp_alloc(type, 0));
+    if (self == NULL) return NULL;
+    self->vectorcall = plans_vectorcall;
+    self->impl = Py_NewRef(impl);
+    self->op = Py_NewRef(op);
+    self->table = new Table();
+    return reinterpret_cast<PyObject *>(self);
+}
+
+void plans_dealloc(PlansObject *self) {
+    clear_table(self->table);
+    delete self->table;
+    Py_CLEAR(self->impl);
+    Py_CLEAR(self->op);
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
+}
+
+PyObject *plans_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+    return PyVectorcall_Call(self, args, kwargs);
+}
+
+PyMethodDef plans_methods[] = {
+    {"below_autograd", (PyCFunction)plans_below_autograd, METH_O,
+     "The impl's result where autograd records nothing and the dispatcher would only call the "
+     "impl, else op(*args)."},
+    {"install", (PyCFunction)(void (*)(void))plans_install, METH_FASTCALL,
+     "Install a plan for the signature of args."},
+    {"states", (PyCFunction)plans_states, METH_NOARGS, "How many signatures are in each state."},
+    {"clear", (PyCFunction)plans_clear, METH_NOARGS, "Forget every signature."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject PlansType = {PyVarObject_HEAD_INIT(NULL, 0)};
+
+PyObject *init(PyObject *, PyObject *const *args, Py_ssize_t n) {
+    if (n != 7 || !PyCapsule_CheckExact(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "native_plans.init(plain, tests, autograd_records, "
+                                         "strided, hooks_installed, recorder, launch_kernel)");
+        return NULL;
+    }
+    void *launch = PyCapsule_GetPointer(args[6], "cuLaunchKernel");
+    if (launch == NULL) return NULL;
+    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(launch);
+    PyObject **slots[6] = {&plain_fn, &thread_tests, &autograd_records,
+                           &strided,  &hooks_fn,     &recorder};
+    for (int i = 0; i < 6; ++i) Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    Py_RETURN_NONE;
+}
+
+PyMethodDef module_methods[] = {
+    {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL, "Set the Python callables."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "native_plans", NULL, -1, module_methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_native_plans(void) {
+    PlansType.tp_name = "native_plans.Plans";
+    PlansType.tp_basicsize = sizeof(PlansObject);
+    PlansType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+    PlansType.tp_new = plans_new;
+    PlansType.tp_dealloc = reinterpret_cast<destructor>(plans_dealloc);
+    PlansType.tp_call = plans_call;
+    PlansType.tp_vectorcall_offset = offsetof(PlansObject, vectorcall);
+    PlansType.tp_methods = plans_methods;
+    PlansType.tp_doc = "An op's impl with its recorded plans (see native_plans.cpp).";
+    if (PyType_Ready(&PlansType) < 0) return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL) return NULL;
+    if (PyModule_AddObjectRef(module, "Plans", reinterpret_cast<PyObject *>(&PlansType)) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,294 @@
+"""Recorded plans: an op's eager call replayed in C++ after its first calls.
+
+An op's impl checks its arguments, allocates its outputs and launches its kernels, and every
+decision it takes follows from the arguments' signature: dtypes, sizes, strides, devices, the
+low bits of the data pointers and the values of its ints, floats and bools. So for a signature
+already seen, ``native_plans.cpp`` allocates the same outputs and launches the same kernels with
+the new pointers, without running the impl's Python (about 8 us of host time per call on an
+H100 host, DECISIONS.md). This module records what the impl did, for that file to replay.
+
+``record(impl, args)`` runs the impl under a ``TorchDispatchMode`` that lists its allocations and
+contiguous copies of its arguments and refuses anything else that reaches the dispatcher (a
+fill, arithmetic, a value read back), while ``launcher`` lists its launches. The recording
+becomes a plan only when everything the impl did is one of: allocate, take a view, copy an
+argument to a contiguous tensor, launch a kernel that the C launcher can launch, return fresh
+tensors (or None). ``native_plans.cpp`` records each signature twice and keeps a plan only when
+both recordings agree, so anything that changes from call to call (a tuner's first runs, a
+counter) leaves the signature to the impl.
+
+Where the C++ module cannot be built (no C++ compiler, no torch headers, ``LLMSYS_NATIVE_PLANS=0``)
+or the tensors are not on CUDA, ops call their impl as before (``PythonEntry``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from functools import cache
+from typing import NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import launcher, native
+
+aten = torch.ops.aten
+# What a plan may contain besides launches: allocations, and views (metadata only).
+_ALLOCATIONS = frozenset(
+    (
+        aten.empty.memory_format,
+        aten.empty_like.default,
+        aten.empty_strided.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+    )
+)
+_VIEWS = frozenset(
+    (
+        aten.alias.default,
+        aten.as_strided.default,
+        aten.detach.default,
+        aten.expand.default,
+        aten.is_same_size.default,
+        aten.permute.default,
+        aten.select.int,
+        aten.slice.Tensor,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.squeeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.t.default,
+        aten.transpose.int,
+        aten.unbind.int,
+        aten.unsqueeze.default,
+        aten.view.default,
+        aten._unsafe_view.default,
+    )
+)
+
+
+class _Recording(TorchDispatchMode):
+    """The impl's allocations and launches on this thread; ``refused`` names the first thing it
+    did that a plan cannot replay."""
+
+    def __init__(self, args: tuple) -> None:
+        super().__init__()
+        self.args, self.allocations, self.launches, self.refused = args, [], [], None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _ALLOCATIONS:
+            self.allocations.append(result)
+        elif func is aten.clone.default and self._copy(args[0], kwargs, result):
+            pass
+        elif func not in _VIEWS and self.refused is None:
+            self.refused = str(func)
+        return result
+
+    def _copy(self, source, kwargs: dict, result) -> bool:
+        """Record ``source.contiguous()`` of an argument as a step of the plan."""
+        if kwargs.get("memory_format") is not torch.contiguous_format:
+            return False
+        for index, arg in enumerate(self.args):
+            if arg is source:
+                self.launches.append(_Copy(index, result))
+                return True
+        return False
+
+    def __enter__(self):
+        launcher.recording.active = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        launcher.recording.active = None
+        return super().__exit__(*exc)
+
+
+def record(impl, args: tuple) -> tuple:
+    """Run ``impl(*args)`` and record it: ``(result, plan)``, the plan None where the call
+    cannot be replayed (``native_plans.cpp`` describes the plan's layout)."""
+    with _Recording(args) as recording:
+        result = impl(*args)
+    try:
+        return result, _plan(recording, result)
+    except _NotReplayable:
+        return result, None
+
+
+class _NotReplayable(Exception):
+    pass
+
+
+class _Copy(NamedTuple):
+    """A step of a recording: ``result`` is the contiguous copy of argument ``index``."""
+
+    index: int
+    result: torch.Tensor
+
+
+def _refuse(condition: bool) -> None:
+    if condition:
+        raise _NotReplayable
+
+
+def _plan(recording: _Recording, result) -> tuple:
+    _refuse(recording.refused is not None)
+    device = torch.cuda.current_device()
+    allocations = recording.allocations
+    for t in allocations:
+        _refuse(type(t) is not torch.Tensor or t.get_device() != device or t.storage_offset())
+    copies = [step for step in recording.launches if type(step) is _Copy]
+    sources = [(1, i, t) for i, t in enumerate(recording.args) if type(t) is torch.Tensor]
+    sources += [(2, j, t) for j, t in enumerate(allocations)]
+    sources += [(3, j, copy.result) for j, copy in enumerate(copies)]
+    steps = []
+    for step in recording.launches:
+        if type(step) is _Copy:
+            steps.append((step.index,))
+        elif (launch := _launch(step, sources, device)) is not None:
+            steps.append(launch)
+    allocated = tuple((tuple(t.shape), t.stride(), t.dtype) for t in allocations)
+    return allocated, tuple(steps), _result(result, allocations)
+
+
+def _launch(call: tuple, sources: list, device: int) -> tuple | None:
+    """One recorded launch as plan data (None: a size-0 grid, nothing launched)."""
+    kernel, grid, args, constexprs, num_warps, num_stages, options = call
+    sizes = (grid,) if isinstance(grid, int) else tuple(grid)
+    if 0 in sizes:
+        return None
+    _refuse(not args or type(args[0]) is not torch.Tensor or args[0].get_device() != device)
+    module = native.get()
+    head = (kernel, device, num_warps, num_stages, *options.items())
+    key = module.key(head, tuple(args), constexprs)
+    entry = launcher._compiled.get(key) if key is not None else None
+    _refuse(entry is None or entry[1] is None)  # Triton's launcher: descriptors, scratch, ...
+    kinds = entry[1].decode()
+    _refuse(len(kinds) < len(args) or kinds[len(args) :].strip("-") != "")
+    params = []
+    for value, kind in zip(args, kinds, strict=False):
+        if kind == "-":
+            continue
+        if kind == "p":
+            address = value.data_ptr() if isinstance(value, torch.Tensor) else value
+            params.append(("p", *_source(address, sources)))
+        else:
+            params.append((kind, 0, 0, value))
+    grid3 = sizes + (1,) * (3 - len(sizes))
+    return entry[4], grid3, entry[2], entry[3], tuple(params)
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s data pointer to the end of its last element."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.itemsize
+
+
+def _source(address: int, sources: list) -> tuple[int, int, int]:
+    """(source, index, byte offset) of the one argument or allocation that ``address`` points
+    into; refused when none or several do."""
+    _refuse(type(address) is not int)
+    exact = [(kind, i) for kind, i, t in sources if t.data_ptr() == address]
+    if exact:
+        _refuse(len(exact) != 1)
+        return (*exact[0], 0)
+    inside = [
+        (k, i, address - t.data_ptr())
+        for k, i, t in sources
+        if 0 <= address - t.data_ptr() < _span(t)
+    ]
+    _refuse(len(inside) != 1)
+    return inside[0]
+
+
+def _output(t, allocations: list):
+    if t is None:
+        return None
+    _refuse(type(t) is not torch.Tensor)
+    for j, a in enumerate(allocations):
+        if t is a:
+            return (j,)
+        if t.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() and a.numel():
+            return j, tuple(t.shape), t.stride(), t.storage_offset()
+    raise _NotReplayable  # an argument returned, or a tensor from elsewhere
+
+
+def _result(result, allocations: list) -> tuple:
+    if result is None:
+        return 0, ()
+    if type(result) is tuple:
+        return 2, tuple(_output(t, allocations) for t in result)
+    output = _output(result, allocations)
+    _refuse(output is None)
+    return 1, (output,)
+
+
+# --- the entries library.py keeps per op ---------------------------------------------------------
+
+
+class PythonEntry:
+    """An op's impl called from Python: ``entry(*args)`` is ``impl(*args)``;
+    ``entry.below_autograd(args)`` is ``library.call_below_autograd``'s choice between the impl
+    and the op. ``native_plans.Plans`` has the same two calls, with replay; an entry becomes one
+    at its first call with a CUDA tensor, where the C++ module can be had."""
+
+    __slots__ = ("impl", "op", "upgrade")
+
+    def __init__(self, impl, op, upgrade) -> None:
+        self.impl, self.op, self.upgrade = impl, op, upgrade
+
+    def __call__(self, *args):
+        if self.upgrade is not None and (upgraded := self._upgraded(args)) is not None:
+            return upgraded(*args)
+        return self.impl(*args)
+
+    def below_autograd(self, args: tuple):
+        if self.upgrade is not None and (upgraded := self._upgraded(args)) is not None:
+            return upgraded.below_autograd(args)
+        from .library import _plain_call  # (library imports this module)
+
+        if _plain_call(args) is False:
+            return self.impl(*args)
+        return self.op(*args)
+
+    def _upgraded(self, args: tuple):
+        """The native entry that replaces this one, at the first call with a CUDA tensor."""
+        if not any(type(a) is torch.Tensor and a.is_cuda for a in args):
+            return None
+        upgrade, self.upgrade = self.upgrade, None
+        return upgrade(self)
+
+
+@cache
+def native_module():
+    """The compiled ``native_plans`` module, initialized, or None (with one warning saying why)."""
+    if os.environ.get("LLMSYS_NATIVE_PLANS", "1") == "0":
+        return None
+    launch_module = native.get()
+    if launch_module is None:
+        return None
+    try:
+        from . import library
+
+        module = native.load(native.build_plans(), "native_plans")
+        module.init(
+            launch_module.plain,
+            library._THREAD_TESTS,
+            library._autograd_records,
+            torch.strided,
+            launch_module.hooks_installed,
+            record,
+            launch_module.driver(),
+        )
+        return module
+    except Exception as error:  # no C++ compiler, no headers, no driver: the impls still work
+        warnings.warn(
+            f"llmsys.triton_launch: recorded plans are unavailable ({error}); ops run their "
+            "Python impl on every call (about 8 us more per call)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None

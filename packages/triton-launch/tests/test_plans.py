@@ -1,0 +1,230 @@
+"""Recorded plans (plans.py, native_plans.cpp): a replayed call returns what the impl returns,
+and a call the recorder cannot vouch for goes to the impl."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from llmsys.triton_launch import (
+    call_below_autograd,
+    define_op,
+    launch,
+    library,
+    plans,
+    runs_under_interpreter,
+)
+from llmsys.triton_launch.plans import _NotReplayable, _Recording, _result, _source
+
+
+# alpha is a power of two in every test: x * alpha + 1 then rounds once, fused or not, so the
+# kernel's results equal the eager formula's bit for bit.
+@triton.jit
+def affine(x_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * alpha + 1, mask=mask)
+
+
+calls = []
+
+
+def _affine(x: torch.Tensor, alpha: float) -> torch.Tensor:
+    calls.append("affine")
+    x = x.contiguous()  # a strided argument: one copy, a step of the plan
+    out = torch.empty_like(x)
+    launch(affine, triton.cdiv(x.numel(), 64), (x, out, x.numel(), alpha), {"BLOCK": 64})
+    return out
+
+
+def _two(x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """Two launches, a view returned, and a None."""
+    calls.append("two")
+    out = torch.empty(2, x.numel(), dtype=x.dtype, device=x.device)
+    launch(affine, triton.cdiv(x.numel(), 64), (x, out[0], x.numel(), 2.0), {"BLOCK": 64})
+    launch(
+        affine, triton.cdiv(y.numel(), 64), (y[1:], out[1, 1:], y.numel() - 1, 4.0), {"BLOCK": 64}
+    )
+    return out[1].view(x.shape), None
+
+
+def _zeros(x: torch.Tensor) -> torch.Tensor:
+    calls.append("zeros")
+    out = torch.zeros_like(x)  # a fill: not something a plan replays
+    launch(affine, triton.cdiv(x.numel(), 64), (x, out, x.numel() // 2, 1.0), {"BLOCK": 64})
+    return out
+
+
+_lib = torch.library.Library("llmsys_test_plans", "FRAGMENT")
+affine_op = define_op(_lib, "affine(Tensor x, float alpha) -> Tensor", _affine, torch.empty_like)
+two_op = define_op(
+    _lib,
+    "two(Tensor x, Tensor y) -> (Tensor, Tensor?)",
+    _two,
+    lambda x, y: (torch.empty_like(x), None),
+)
+zeros_op = define_op(_lib, "zeros(Tensor x) -> Tensor", _zeros, torch.empty_like)
+
+
+# --- on any machine: what the recorder accepts --------------------------------------------------
+
+
+def test_the_recorder_lists_allocations_and_refuses_other_work():
+    x = torch.randn(4, 6)
+    with _Recording((x,)) as recording:
+        out = torch.empty_like(x).view(24)
+        x.t()
+    assert recording.refused is None and len(recording.allocations) == 1
+    assert recording.allocations[0].data_ptr() == out.data_ptr()
+    for work in (torch.zeros_like, lambda t: t.clone(), lambda t: t.sum(), lambda t: t.item()):
+        with _Recording((x,)) as recording:
+            work(x[0, :1])
+        assert recording.refused is not None
+
+
+def test_pointers_map_to_one_argument_or_allocation():
+    x, y, out = torch.randn(10), torch.randn(10), torch.empty(10)
+    sources = [(1, 0, x), (1, 1, y), (2, 0, out)]
+    assert _source(y.data_ptr(), sources) == (1, 1, 0)
+    assert _source(out[3:].data_ptr(), sources) == (2, 0, 12)
+    with pytest.raises(_NotReplayable):  # the same tensor twice: which one is ambiguous
+        _source(x.data_ptr(), [(1, 0, x), (1, 1, x)])
+    with pytest.raises(_NotReplayable):  # past every tensor
+        _source(x.data_ptr() + 10_000_000, sources)
+
+
+def test_results_map_to_allocations():
+    out = torch.empty(2, 3)
+    assert _result(out, [out]) == (1, ((0,),))
+    assert _result((None, out[1]), [out]) == (2, (None, (0, (3,), (1,), 3)))
+    assert _result(None, [out]) == (0, ())
+    with pytest.raises(_NotReplayable):  # an argument returned
+        _result(torch.empty(3), [out])
+
+
+def test_cpu_calls_stay_with_the_impl():
+    if not runs_under_interpreter(affine):
+        pytest.skip("CPU tensors run Triton kernels only under TRITON_INTERPRET=1")
+    x = torch.randn(100)
+    calls.clear()
+    for _ in range(4):
+        torch.testing.assert_close(affine_op(x, 2.0), x * 2 + 1)
+    assert calls == ["affine"] * 4
+    assert type(library._impls[affine_op]) is plans.PythonEntry
+
+
+# --- on a GPU: replay --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def native():
+    module = plans.native_module()
+    if module is None:
+        pytest.skip("the native_plans module could not be built here (warned why)")
+    return module
+
+
+def _entry(op):
+    entry = library._impls[op]
+    assert type(entry).__name__ == "Plans", "the first CUDA call upgrades the entry"
+    return entry
+
+
+@pytest.mark.gpu
+def test_the_third_call_records_a_plan_and_later_calls_replay_it(native):
+    calls.clear()
+    for i in range(6):
+        x = torch.randn(1000 + 0 * i, device="cuda")
+        out = call_below_autograd(affine_op, x, 0.5)
+        torch.testing.assert_close(out, x * 0.5 + 1, rtol=0, atol=0)
+    assert calls == ["affine"] * 3  # the first call, then two recordings
+    assert _entry(affine_op).states()["planned"] >= 1
+    x = torch.randn(1000, device="cuda")
+    torch.testing.assert_close(affine_op(x, 0.5), x * 0.5 + 1, rtol=0, atol=0)  # by name
+    assert calls == ["affine"] * 3
+
+
+@pytest.mark.gpu
+def test_each_signature_gets_its_own_plan(native):
+    calls.clear()
+    base = torch.randn(4097, device="cuda")
+    cases = [(base[:4096], 2.0), (base[1:], 2.0), (base[:4096], -0.5), (base[:777], 2.0)]
+    cases.append((base[::3], 0.25))  # strided: copied, then launched
+    for _ in range(4):
+        for x, alpha in cases:
+            out = call_below_autograd(affine_op, x, alpha)
+            torch.testing.assert_close(out, x * alpha + 1, rtol=0, atol=0)
+    assert len(calls) == 3 * len(cases)
+
+
+@pytest.mark.gpu
+def test_views_tuples_and_none_are_replayed(native):
+    calls.clear()
+    for _ in range(5):
+        x, y = torch.randn(3, 50, device="cuda"), torch.randn(150, device="cuda")
+        out, none = call_below_autograd(two_op, x, y)
+        assert none is None and out.shape == (3, 50)
+        torch.testing.assert_close(out.view(-1)[1:], y[1:] * 4 + 1, rtol=0, atol=0)
+    assert calls == ["two"] * 3
+
+
+@pytest.mark.gpu
+def test_an_impl_that_fills_or_aliases_is_never_replayed(native):
+    calls.clear()
+    for _ in range(5):
+        x = torch.randn(256, device="cuda")
+        out = call_below_autograd(zeros_op, x)
+        torch.testing.assert_close(out[:128], x[:128] + 1, rtol=0, atol=0)
+        assert (out[128:] == 0).all()
+    assert calls == ["zeros"] * 5
+    assert _entry(zeros_op).states()["refused"] == 1
+    calls.clear()
+    x = torch.randn(64, device="cuda")
+    for _ in range(5):
+        out, _ = call_below_autograd(two_op, x.view(1, 64), x)  # one tensor as both arguments
+        torch.testing.assert_close(out[0, 1:], x[1:] * 4 + 1, rtol=0, atol=0)
+    assert calls == ["two"] * 5
+
+
+@pytest.mark.gpu
+def test_modes_hooks_and_grad_take_the_python_path(native):
+    x = torch.randn(500, device="cuda")
+    for _ in range(4):
+        call_below_autograd(affine_op, x, 4.0)
+    calls.clear()
+    seen = []
+    triton.knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        torch.testing.assert_close(call_below_autograd(affine_op, x, 4.0), x * 4 + 1)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert calls == ["affine"] and len(seen) == 1  # the profiler's hook saw the launch
+    with torch.profiler.profile() as prof:
+        call_below_autograd(affine_op, x, 4.0)
+    assert any(e.name == "llmsys_test_plans::affine" for e in prof.events())
+
+
+@pytest.mark.gpu
+def test_a_plan_replays_into_a_cuda_graph(native):
+    x = torch.randn(2048, device="cuda")
+    for _ in range(4):
+        call_below_autograd(affine_op, x, 0.5)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = call_below_autograd(affine_op, x, 0.5)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x * 0.5 + 1, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_malformed_plans_are_refused_with_the_reason(native):
+    x = torch.randn(8, device="cuda")
+    call_below_autograd(affine_op, x, 1.0)
+    entry = _entry(affine_op)
+    with pytest.raises(ValueError, match="malformed"):
+        entry.install((x, 1.0), ((), ((0, (1, 1, 1), 32, 0, (("p", 1, 5, 0),)),), (0, ())))
+    with pytest.raises(ValueError, match="no replayable signature"):
+        entry.install((x.cpu(), 1.0), ((), (), (0, ())))
