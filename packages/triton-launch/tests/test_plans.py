@@ -14,6 +14,7 @@ from llmsys.triton_launch import (
     plans,
     runs_under_interpreter,
 )
+from llmsys.triton_launch.launcher import TensorDescriptor
 from llmsys.triton_launch.plans import _NotReplayable, _Recording, _result, _source
 
 
@@ -55,6 +56,24 @@ def _zeros(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def tile_add_one(in_desc, out_ptr, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out = in + 1, read through a host tensor descriptor (TMA on Hopper)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile = in_desc.load([tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N])
+    tl.store(out_ptr + rows * n_cols + cols, tile + 1)
+
+
+def _tiles(x: torch.Tensor) -> torch.Tensor:
+    calls.append("tiles")
+    out = torch.empty_like(x)
+    descriptor = TensorDescriptor.from_tensor(x, [16, 32])
+    grid = (x.shape[0] // 16, x.shape[1] // 32)
+    launch(tile_add_one, grid, (descriptor, out, x.shape[1]), {"BLOCK_M": 16, "BLOCK_N": 32})
+    return out
+
+
 _lib = torch.library.Library("llmsys_test_plans", "FRAGMENT")
 affine_op = define_op(_lib, "affine(Tensor x, float alpha) -> Tensor", _affine, torch.empty_like)
 two_op = define_op(
@@ -64,6 +83,7 @@ two_op = define_op(
     lambda x, y: (torch.empty_like(x), None),
 )
 zeros_op = define_op(_lib, "zeros(Tensor x) -> Tensor", _zeros, torch.empty_like)
+tiles_op = define_op(_lib, "tiles(Tensor x) -> Tensor", _tiles, torch.empty_like)
 
 
 # --- on any machine: what the recorder accepts --------------------------------------------------
@@ -166,6 +186,20 @@ def test_views_tuples_and_none_are_replayed(native):
         assert none is None and out.shape == (3, 50)
         torch.testing.assert_close(out.view(-1)[1:], y[1:] * 4 + 1, rtol=0, atol=0)
     assert calls == ["two"] * 3
+
+
+@pytest.mark.gpu
+def test_tensor_descriptors_are_encoded_again_for_each_replay(native):
+    if TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors")
+    calls.clear()
+    for _ in range(6):
+        x = torch.randn(64, 96, device="cuda")
+        torch.testing.assert_close(call_below_autograd(tiles_op, x), x + 1, rtol=0, atol=0)
+    # Hopper lowers the descriptor to a tensor map, which the plan encodes for each new address;
+    # elsewhere the kernel gets pointers and Triton's own launcher, which a plan does not replay.
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert calls == ["tiles"] * (3 if hopper else 6)
 
 
 @pytest.mark.gpu

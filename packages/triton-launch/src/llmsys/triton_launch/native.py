@@ -124,10 +124,12 @@ def get():
         return None
 
 
-def kinds(compiled) -> bytes | None:
+def kinds(compiled, descriptors: bool = False) -> bytes | None:
     """``native_launch``'s kinds for a compiled kernel's arguments, or None when the kernel needs
     something only Triton's launcher does (scratch buffers, clusters, cooperative grids,
-    programmatic dependent launch, tensor descriptors, 16-bit float scalars)."""
+    programmatic dependent launch, tensor descriptors, 16-bit float scalars). With
+    ``descriptors``, a host tensor descriptor the kernel lowered to TMA is kind ``T`` (recorded
+    plans encode its tensor map themselves, plans.py)."""
     meta = compiled.metadata
     if (
         getattr(meta, "num_ctas", 1) != 1
@@ -141,8 +143,12 @@ def kinds(compiled) -> bytes | None:
     signature = getattr(getattr(compiled, "src", None), "signature", None)
     if not isinstance(signature, dict):
         return None
+    lowered = getattr(meta, "tensordesc_meta", None)  # one entry per descriptor, or None
     out = []
     for ty in signature.values():
+        if descriptors and lowered and isinstance(ty, str) and ty.startswith("tensordesc"):
+            out.append("T")
+            continue
         kind = "p" if isinstance(ty, str) and ty.startswith("*") else _KINDS.get(ty)
         if kind is None:  # a tuple, a tensor descriptor, a 16-bit scalar: Triton's launcher
             return None

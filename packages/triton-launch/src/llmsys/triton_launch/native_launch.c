@@ -21,8 +21,8 @@
  *          then one (name, value) pair per option), or None
  *   pack(kinds, *args) -> bytes            (the parameter bytes, for tests without a GPU)
  *   hooks_installed() -> whether Triton's launch hooks are installed
- *   driver() -> cuLaunchKernel as a capsule named "cuLaunchKernel" (native_plans.cpp launches
- *          with it); loads the driver, so it raises without one
+ *   driver() -> (cuLaunchKernel, cuTensorMapEncodeTiled or None) as capsules named after them
+ *          (native_plans.cpp launches with them); loads the driver, so it raises without one
  *   plain(args, tests, autograd_records, strided)
  *       -> False: an op's impl may be called directly with args (library.py's test, in C):
  *          every one of `tests` (zero-argument callables: modes, tracing, profiler) returns a
@@ -63,6 +63,7 @@ typedef CUresult (*error_string_t)(CUresult, const char **);
 
 static launch_kernel_t cu_launch_kernel = NULL;
 static error_string_t cu_get_error_string = NULL;
+static void *cu_tensor_map_encode_tiled = NULL; /* for native_plans; NULL before CUDA 12 */
 
 static int load_driver(void) {
     void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -72,6 +73,7 @@ static int load_driver(void) {
     }
     cu_launch_kernel = (launch_kernel_t)dlsym(lib, "cuLaunchKernel");
     cu_get_error_string = (error_string_t)dlsym(lib, "cuGetErrorString");
+    cu_tensor_map_encode_tiled = dlsym(lib, "cuTensorMapEncodeTiled");
     if (cu_launch_kernel == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "native_launch: libcuda has no cuLaunchKernel");
         return 0;
@@ -471,7 +473,16 @@ static PyObject *hooks(PyObject *self, PyObject *unused) {
 
 static PyObject *driver(PyObject *self, PyObject *unused) {
     if (cu_launch_kernel == NULL && !load_driver()) return NULL;
-    return PyCapsule_New((void *)cu_launch_kernel, "cuLaunchKernel", NULL);
+    PyObject *launch = PyCapsule_New((void *)cu_launch_kernel, "cuLaunchKernel", NULL);
+    if (launch == NULL) return NULL;
+    PyObject *encode = cu_tensor_map_encode_tiled == NULL
+                           ? Py_NewRef(Py_None)
+                           : PyCapsule_New(cu_tensor_map_encode_tiled, "cuTensorMapEncodeTiled", NULL);
+    if (encode == NULL) { Py_DECREF(launch); return NULL; }
+    PyObject *pair = PyTuple_Pack(2, launch, encode);
+    Py_DECREF(launch);
+    Py_DECREF(encode);
+    return pair;
 }
 
 static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -515,7 +526,7 @@ static PyMethodDef methods[] = {
     {"plain", (PyCFunction)(void (*)(void))plain, METH_FASTCALL,
      "Whether an op's impl may be called directly."},
     {"hooks_installed", hooks, METH_NOARGS, "Whether Triton's launch hooks are installed."},
-    {"driver", driver, METH_NOARGS, "cuLaunchKernel, as a capsule (for native_plans)."},
+    {"driver", driver, METH_NOARGS, "cuLaunchKernel and cuTensorMapEncodeTiled as capsules."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,10 +14,10 @@
  *   a recording that fails (the impl did anything but allocate, view and launch), or two that
  *   differ, leave the signature to the impl for good.
  *
- *   init(plain, tests, autograd_records, strided, hooks_installed, recorder, launch_kernel)
+ *   init(plain, tests, autograd_records, strided, hooks_installed, recorder, driver)
  *       once: native_launch.plain and its arguments (the thread-state tests library.py uses),
  *       native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or None),
- *       and cuLaunchKernel as a capsule (native_launch.driver())
+ *       and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
  *   Plans(impl, op)
  *       plans(*args): the impl's result, replayed where a plan exists (an op's registered
  *           kernel: the dispatcher has done its work)
@@ -35,9 +35,12 @@
  *       `.contiguous()` of a strided argument),
  *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds as
  *       native_launch.c's ('p' pointer, 'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8,
- *       'f' float32, 'd' float64); source 0: the constant value; 1: the data pointer of argument
- *       `index` plus `value` bytes; 2: the same of allocation `index`; 3: of copy `index`.
- *       Triton's two scratch
+ *       'f' float32, 'd' float64, 't' a host tensor descriptor's tensor map, passed by value);
+ *       source 0: the constant value; 1: the data pointer of argument `index` plus `value`
+ *       bytes; 2: the same of allocation `index`; 3: of copy `index`. A 't' parameter is
+ *       (kind, source, index, offset, (dtype, swizzle, fill, dims, byte strides, box)): the
+ *       tensor map is encoded at each replay for the new address, as Triton's launcher encodes
+ *       it (innermost dimension first). Triton's two scratch
  *       pointers (NULL) are appended, as native_launch.c does.
  *   result: (0, ()) None; (1, (output,)) one tensor; (2, (output, ...)) a tuple, where an output
  *       is (allocation,) or (allocation, sizes, strides, storage_offset) for a view of it.
@@ -64,10 +67,31 @@ typedef int (*launch_kernel_t)(void *function, unsigned grid_x, unsigned grid_y,
                                unsigned block_x, unsigned block_y, unsigned block_z,
                                unsigned shared_bytes, void *stream, void **params, void **extra);
 
+typedef int (*encode_tiled_t)(void *map, int dtype, unsigned rank, void *address,
+                              const uint64_t *dims, const uint64_t *strides, const uint32_t *box,
+                              const uint32_t *element_strides, int interleave, int swizzle,
+                              int l2_promotion, int oob_fill);
+
 launch_kernel_t cu_launch_kernel = nullptr;
+encode_tiled_t cu_tensor_map_encode_tiled = nullptr;
 PyObject *plain_fn, *thread_tests, *autograd_records, *strided, *hooks_fn, *recorder;
 
 constexpr int MAX_PARAMS = 128;
+constexpr int MAX_MAPS = 8;  // tensor maps per launch
+constexpr int L2_PROMOTION_128B = 2;  // CU_TENSOR_MAP_L2_PROMOTION_L2_128B, as Triton encodes
+
+struct alignas(128) TensorMap {  // CUtensorMap: 128 opaque bytes
+    uint64_t words[16];
+};
+
+// A host tensor descriptor's tensor map, less its address: cuTensorMapEncodeTiled's arguments
+// as Triton's launcher passes them (innermost dimension first; strides in bytes).
+struct MapSpec {
+    int dtype, swizzle, fill;
+    unsigned rank;
+    uint64_t dims[5], strides[5];
+    uint32_t box[5];
+};
 constexpr size_t MAX_SIGNATURES = 256;  // per op: past it, new signatures go to the impl
 
 union Slot {
@@ -86,6 +110,7 @@ struct Param {
     int index;
     int64_t offset;  // bytes past the pointer (sources 1 and 2)
     Slot constant;   // (source 0)
+    int map;         // kind 't': the tensor map of a descriptor at that pointer (Launch::maps)
 };
 
 struct Launch {  // or, where copy_of >= 0, a contiguous copy of that argument
@@ -94,6 +119,7 @@ struct Launch {  // or, where copy_of >= 0, a contiguous copy of that argument
     unsigned grid[3];
     unsigned threads, shared;
     std::vector<Param> params;
+    std::vector<MapSpec> maps;
 };
 
 struct Allocation {
@@ -208,6 +234,8 @@ PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
     void *stream = plan.launches.empty() ? nullptr : cuda->getStream(where).native_handle();
     Slot slots[MAX_PARAMS];
     void *params[MAX_PARAMS];
+    TensorMap maps[MAX_MAPS];
+    static const uint32_t unit_strides[5] = {1, 1, 1, 1, 1};
     std::vector<at::Tensor> copies;
     for (const Launch &launch : plan.launches) {
         if (launch.copy_of >= 0) {
@@ -226,6 +254,18 @@ PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
                 slots[i].u64 = reinterpret_cast<uint64_t>(pointer_of(t) + p.offset);
             }
             params[i] = &slots[i];
+            if (p.kind == 't') {  // the tensor map is the parameter, passed by value
+                const MapSpec &m = launch.maps[p.map];
+                int status = cu_tensor_map_encode_tiled(
+                    &maps[p.map], m.dtype, m.rank, reinterpret_cast<void *>(slots[i].u64), m.dims,
+                    m.strides, m.box, unit_strides, 0, m.swizzle, L2_PROMOTION_128B, m.fill);
+                if (status != 0) {
+                    PyErr_Format(PyExc_RuntimeError,
+                                 "native_plans: cuTensorMapEncodeTiled failed (%d)", status);
+                    return NULL;
+                }
+                params[i] = &maps[p.map];
+            }
         }
         slots[n].u64 = slots[n + 1].u64 = 0;  // Triton's global and profile scratch: NULL
         params[n] = &slots[n];
@@ -282,15 +322,42 @@ bool read_ints(PyObject *obj, std::vector<int64_t> &out) {
     return true;
 }
 
-bool read_param(PyObject *obj, Param &p) {
+bool read_map(PyObject *obj, MapSpec &m) {
+    PyObject *dims, *strides, *box;
+    if (!PyArg_ParseTuple(obj, "iiiO!O!O!", &m.dtype, &m.swizzle, &m.fill, &PyTuple_Type, &dims,
+                          &PyTuple_Type, &strides, &PyTuple_Type, &box))
+        return false;
+    m.rank = static_cast<unsigned>(PyTuple_GET_SIZE(dims));
+    if (m.rank < 1 || m.rank > 5 || PyTuple_GET_SIZE(box) != m.rank ||
+        PyTuple_GET_SIZE(strides) != m.rank - 1)
+        return fail_format("tensor map");
+    for (unsigned i = 0; i < m.rank; ++i) {
+        m.dims[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(dims, i));
+        m.box[i] = static_cast<uint32_t>(PyLong_AsUnsignedLong(PyTuple_GET_ITEM(box, i)));
+        if (i + 1 < m.rank) m.strides[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(strides, i));
+    }
+    return !PyErr_Occurred();
+}
+
+bool read_param(PyObject *obj, Param &p, Launch &launch) {
     const char *kind;
-    PyObject *value;
-    if (!PyArg_ParseTuple(obj, "siiO", &kind, &p.source, &p.index, &value)) return false;
+    PyObject *value, *map = NULL;
+    if (!PyArg_ParseTuple(obj, "siiO|O", &kind, &p.source, &p.index, &value, &map)) return false;
     p.kind = kind[0];
     p.offset = 0;
     p.constant.u64 = 0;
+    p.map = -1;
+    if (p.kind == 't') {  // a descriptor: its tensor map's pointer, then its spec
+        if (p.source == 0 || map == NULL || launch.maps.size() >= MAX_MAPS)
+            return fail_format("tensor map");
+        MapSpec m;
+        if (!read_map(map, m)) return false;
+        p.map = static_cast<int>(launch.maps.size());
+        launch.maps.push_back(m);
+    }
     if (p.source != 0) {
-        if (p.kind != 'p' || p.source > 3 || p.index < 0) return fail_format("pointer");
+        if ((p.kind != 'p' && p.kind != 't') || p.source > 3 || p.index < 0)
+            return fail_format("pointer");
         p.offset = PyLong_AsLongLong(value);
         return !PyErr_Occurred();
     }
@@ -369,7 +436,9 @@ std::unique_ptr<Plan> read_plan(PyObject *obj, Py_ssize_t n_args) {
         if (PyTuple_GET_SIZE(params) + 2 > MAX_PARAMS) return fail_format("parameters"), nullptr;
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(params); ++j) {
             Param p;
-            if (!read_param(PyTuple_GET_ITEM(params, j), p)) return nullptr;
+            if (!read_param(PyTuple_GET_ITEM(params, j), p, l)) return nullptr;
+            if (p.kind == 't' && cu_tensor_map_encode_tiled == nullptr)
+                return fail_format("tensor map (no cuTensorMapEncodeTiled)"), nullptr;
             size_t bound = p.source == 1   ? n_args
                            : p.source == 2 ? plan->allocations.size()
                                            : n_copies;
@@ -589,14 +658,20 @@ PyMethodDef plans_methods[] = {
 PyTypeObject PlansType = {PyVarObject_HEAD_INIT(NULL, 0)};
 
 PyObject *init(PyObject *, PyObject *const *args, Py_ssize_t n) {
-    if (n != 7 || !PyCapsule_CheckExact(args[6])) {
+    PyObject *launch, *encode;
+    if (n != 7 || !PyArg_ParseTuple(args[6], "OO", &launch, &encode)) {
         PyErr_SetString(PyExc_TypeError, "native_plans.init(plain, tests, autograd_records, "
-                                         "strided, hooks_installed, recorder, launch_kernel)");
+                                         "strided, hooks_installed, recorder, native_launch.driver())");
         return NULL;
     }
-    void *launch = PyCapsule_GetPointer(args[6], "cuLaunchKernel");
-    if (launch == NULL) return NULL;
-    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(launch);
+    void *function = PyCapsule_GetPointer(launch, "cuLaunchKernel");
+    if (function == NULL) return NULL;
+    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(function);
+    if (encode != Py_None) {
+        function = PyCapsule_GetPointer(encode, "cuTensorMapEncodeTiled");
+        if (function == NULL) return NULL;
+        cu_tensor_map_encode_tiled = reinterpret_cast<encode_tiled_t>(function);
+    }
     PyObject **slots[6] = {&plain_fn, &thread_tests, &autograd_records,
                            &strided,  &hooks_fn,     &recorder};
     for (int i = 0; i < 6; ++i) Py_XSETREF(*slots[i], Py_NewRef(args[i]));

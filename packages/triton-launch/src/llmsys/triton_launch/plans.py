@@ -159,25 +159,69 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
     sizes = (grid,) if isinstance(grid, int) else tuple(grid)
     if 0 in sizes:
         return None
-    _refuse(not args or type(args[0]) is not torch.Tensor or args[0].get_device() != device)
-    module = native.get()
+    first = args[0] if args else None
+    base = (
+        first.base
+        if launcher.TensorDescriptor and type(first) is launcher.TensorDescriptor
+        else first
+    )
+    _refuse(type(base) is not torch.Tensor or base.get_device() != device)
     head = (kernel, device, num_warps, num_stages, *options.items())
-    key = module.key(head, tuple(args), constexprs)
-    entry = launcher._compiled.get(key) if key is not None else None
-    _refuse(entry is None or entry[1] is None)  # Triton's launcher: descriptors, scratch, ...
-    kinds = entry[1].decode()
+    key = native.get().key(head, tuple(args), constexprs)
+    entry = launcher._compiled.get(
+        key if key is not None else launcher._python_key(head, args, constexprs)
+    )
+    _refuse(entry is None)
+    compiled = entry[0]
+    kinds = entry[1] or native.kinds(compiled, descriptors=True)  # descriptors: Triton's launcher
+    _refuse(kinds is None)
+    kinds = kinds.decode()
     _refuse(len(kinds) < len(args) or kinds[len(args) :].strip("-") != "")
+    maps = iter(compiled.metadata.tensordesc_meta or ())
     params = []
     for value, kind in zip(args, kinds, strict=False):
         if kind == "-":
             continue
-        if kind == "p":
+        if kind == "T":
+            params += _descriptor(value, next(maps), sources)
+        elif kind == "p":
             address = value.data_ptr() if isinstance(value, torch.Tensor) else value
             params.append(("p", *_source(address, sources)))
         else:
             params.append((kind, 0, 0, value))
     grid3 = sizes + (1,) * (3 - len(sizes))
-    return entry[4], grid3, entry[2], entry[3], tuple(params)
+    shared = compiled.metadata.shared
+    return compiled.function, grid3, 32 * compiled.metadata.num_warps, shared, tuple(params)
+
+
+def _descriptor(descriptor, meta: dict, sources: list) -> list:
+    """A host tensor descriptor's parameters as Triton's launcher passes them to a kernel that
+    lowered it to TMA: its tensor map (encoded at each replay), its shape (int32) and strides
+    (int64). The tensor map's arguments are those of Triton's ``fill_tma_descriptor``."""
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    _refuse(type(descriptor) is not launcher.TensorDescriptor)
+    _refuse(meta.get("fp4_padded") or getattr(descriptor, "round_f32_to_tf32", False))
+    _refuse(meta.get("is_im2col", False))
+    shape, strides, size = list(descriptor.shape), list(descriptor.strides), meta["elem_size"]
+    _refuse(strides[-1] != 1)
+    byte_strides = tuple(size * s for s in reversed(strides[:-1]))
+    spec = (
+        TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+        meta["swizzle"],
+        1
+        if descriptor.padding == "nan"
+        else 0,  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA
+        tuple(reversed(shape)),
+        byte_strides,
+        tuple(reversed(meta["block_size"])),
+    )
+    address = descriptor.base.data_ptr()
+    return [
+        ("t", *_source(address, sources), spec),
+        *(("i", 0, 0, n) for n in shape),
+        *(("l", 0, 0, s) for s in strides),
+    ]
 
 
 def _span(t: torch.Tensor) -> int:
