@@ -6,8 +6,10 @@
 host-cost table that misses its target, the whole call and each of its steps run alone, side by
 side in one process (host microseconds per call, loops of 50 with no synchronize, medians of
 21), beside what a user calls instead. A step is timed on inputs prepared outside the loop, so
-the steps of a call add up to about the call. Writes ``host_breakdown_<gpu>.csv`` under DIR
-(default: results/ beside this file).
+the steps of a call add up to about the call. Every call has run three times (the first call
+and two recordings) before it is timed, so its op replays its recorded plan
+(``llmsys.triton_launch.plans``) as it does in a model. Writes ``host_breakdown_<gpu>.csv``
+under DIR (default: results/ beside this file).
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from llmsys.bench_harness.harness import host_us_side_by_side
 from llmsys.flash_attn2 import flash_attention
 from llmsys.flash_attn2 import ops as flash_ops
-from llmsys.kernels_int8 import Int8Linear, tuning
+from llmsys.kernels_int8 import Int8Linear
 from llmsys.kernels_int8 import ops as int8_ops
 from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
@@ -50,25 +51,69 @@ def swiglu_forward_launch(a: torch.Tensor):
     return swiglu_ops._launches[key], -(-n // block)
 
 
+def _entry(op):
+    """The entry an op's calls go through (a native_plans.Plans where it could be built)."""
+    return library._impls[op]
+
+
 def swiglu_steps(dtype) -> dict:
     a, b = (torch.randn(128, 128, device="cuda", dtype=dtype) for _ in range(2))
     out = torch.empty_like(a)
-    swiglu(a, b)
+    for _ in range(4):  # the first call, two recordings: then the plan
+        swiglu(a, b)
     prepared, grid = swiglu_forward_launch(a)
+    entry = _entry(swiglu_ops.swiglu_fwd)
     return {
         "eager F.silu(a) * b": lambda: F.silu(a) * b,
         "swiglu(), the whole call": lambda: swiglu(a, b),
-        "the op's impl, called directly": lambda: swiglu_ops._swiglu_fwd(a, b),
-        "step: wants_grad(a, b)": lambda: wants_grad(a, b),
-        "step: library._plain_call((a, b)) (thread state, arguments)": lambda: library._plain_call(
-            (a, b)
+        "step: wants_grad(a, b) (the public function's Python)": lambda: wants_grad(a, b),
+        "step: the op's entry below autograd (C++: thread-state test, signature, plan)": (
+            lambda: entry.below_autograd((a, b))
         ),
-        "step: the impl's argument check (_valid)": lambda: swiglu_ops._valid(a, b),
-        "step: a.contiguous(), b.contiguous()": lambda: (a.contiguous(), b.contiguous()),
         "step: torch.empty_like(a)": lambda: torch.empty_like(a),
         "step: the prepared Launch (C: key, lookup, cuLaunchKernel)": lambda: prepared(
             grid, (a, b, out, a.numel())
         ),
+        "the op's Python impl (the path before a plan, and without C++)": lambda: (
+            swiglu_ops._swiglu_fwd(a, b)
+        ),
+    }
+
+
+_keep_alive = []
+
+
+def op_by_name_steps() -> dict:
+    """The op called by name: the dispatcher, torch's ``register_autograd`` kernel and our
+    entry, each beside the others."""
+    a, b = (torch.randn(128, 128, device="cuda") for _ in range(2))
+    op = swiglu_ops.swiglu_fwd
+    for _ in range(4):
+        op(a, b)
+    entry = _entry(op)
+    lib = torch.library.Library("llmsys_breakdown", "FRAGMENT")
+    _keep_alive.append(lib)  # a Library's ops are deregistered when it is collected
+    lib.define("plain(Tensor a, Tensor b) -> Tensor")
+    lib.impl("plain", entry, "CUDA")
+    lib.define("allocate(Tensor a, Tensor b) -> Tensor")
+    lib.impl("allocate", lambda a, b: torch.empty_like(a), "CUDA")
+    torch.library.register_autograd(
+        "llmsys_breakdown::allocate", lambda ctx, g: (g, g), setup_context=lambda *x: None, lib=lib
+    )
+    ops = torch.ops.llmsys_breakdown
+    return {
+        "eager F.silu(a) * b": lambda: F.silu(a) * b,
+        "torch.ops.llm_scaling_week.swiglu_fwd, the whole call": lambda: op(a, b),
+        "step: our entry alone, as the dispatcher calls it (thread-state test, plan)": lambda: (
+            entry(a, b)
+        ),
+        "step: the same entry as an op without an autograd kernel (the dispatcher trip)": (
+            lambda: ops.plain(a, b)
+        ),
+        "step: torch's register_autograd kernel around an impl that only allocates": lambda: (
+            ops.allocate(a, b)
+        ),
+        "step: torch.empty_like(a) (that impl)": lambda: torch.empty_like(a),
     }
 
 
@@ -78,83 +123,46 @@ def int8_steps(m: int, n: int) -> dict:
     x = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
     b, b_scale = layer.qweight.t(), layer.weight_scale
     with torch.no_grad():
-        layer(x)
-    plans = [p for p in tuning.plans.values() if isinstance(p, int8_ops.QuantizedMatmulPlan)]
-    plan = next(p for p in plans if p.q_shape == (m, 4096) and p.out_shape == (m, n))
-    q = torch.empty(m, 4096, device="cuda", dtype=torch.int8)
-    scale = torch.empty(m, device="cuda", dtype=torch.float16)
-    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
-    steps = {
+        for _ in range(4):
+            layer(x)
+    entry = _entry(int8_ops.int8_matmul_quantize)
+    return {
         "fp16 F.linear": lambda: F.linear(x, linear.weight),
         "Int8Linear forward, the whole call": lambda: layer(x),
-        "the op's impl (int8_matmul_quantize), called directly": lambda: int8_ops.matmul_quantize(
-            x, b, b_scale
-        ),
-        "the product's plan alone": lambda: plan(x, b, b_scale, None),
         "step: Int8Linear's own checks and reshape": lambda: (
             x.requires_grad,
             x.shape[-1] == 4096,
             x.reshape(m, 4096),
         ),
-        "step: library._plain_call (4 arguments)": lambda: library._plain_call(
-            (x, b, b_scale, None)
-        ),
         "step: qweight.t()": lambda: layer.qweight.t(),
-        "step: three allocations (q, scale, out) as the plan makes them": lambda: (
+        "step: the op's entry below autograd (C++: test, signature, 3 allocations, "
+        "2 launches)": lambda: entry.below_autograd((x, b, b_scale, None)),
+        "the op's Python impl (the path before a plan, and without C++)": lambda: (
+            int8_ops.matmul_quantize(x, b, b_scale)
+        ),
+        "step: the same three allocations from Python": lambda: (
             torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format),
             x.new_empty((m,)),
             x.new_empty((m, n)),
         ),
-        "step: the same three as torch.empty(shape, dtype=, device=)": lambda: (
-            torch.empty((m, 4096), dtype=torch.int8, device=x.device),
-            torch.empty((m,), dtype=torch.float16, device=x.device),
-            torch.empty((m, n), dtype=torch.float16, device=x.device),
-        ),
-        "step: the quantizer's Launch": lambda: plan.quantize(x, q, scale),
-        f"step: the GEMM's launch{'es' if plan.matmul.tma else ''} "
-        f"({'TMA: descriptors, Triton launcher' if plan.matmul.tma else 'C launcher'})": (
-            lambda: plan.matmul(q, scale, b, b_scale, None, out)
-        ),
     }
-    if plan.matmul.tma:
-        blocks = plan.matmul.blocks
-        steps["step: TensorDescriptor.from_tensor x2"] = lambda: (
-            TensorDescriptor.from_tensor(q, blocks[0]),
-            TensorDescriptor.from_tensor(b.t(), blocks[1]),
-        )
-    return steps
-
-
-def problem_key(q, k, v) -> tuple:
-    """flash_attn2_fwd_impl's plan key for a causal call with a positive scale."""
-    key = []
-    for t in (q, k, v):
-        key += [t.shape, t.stride(), t.dtype, t.get_device()]
-    key += [t.data_ptr() % 16 == 0 for t in (q, k, v)]
-    return (*key, True, True, flash_ops.FORWARD_KERNEL)
 
 
 def flash_steps(shape) -> dict:
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    flash_attention(q, k, v, causal=True)
-    plan = next(iter(flash_ops._forward_plans.values()))
-    out = torch.empty_like(q)
-    lse = torch.empty(shape[:-1], device="cuda")
     scale = shape[-1] ** -0.5
+    for _ in range(4):
+        flash_attention(q, k, v, causal=True)
+    entry = _entry(flash_ops.flash_attn2_fwd)
     return {
         "SDPA": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "flash_attention forward, the whole call": lambda: flash_attention(q, k, v, causal=True),
-        "the op's impl, called directly": lambda: flash_ops.flash_attn2_fwd_impl(
-            q, k, v, True, scale
+        "step: the op's entry below autograd (C++: test, signature, 2 allocations, launch)": (
+            lambda: entry.below_autograd((q, k, v, True, scale))
         ),
-        "step: the problem's key and plan lookup": lambda: flash_ops._forward_plans.get(
-            problem_key(q, k, v)
+        "the op's Python impl (the path before a plan, and without C++)": lambda: (
+            flash_ops.flash_attn2_fwd_impl(q, k, v, True, scale)
         ),
-        "step: two allocations (out, lse) as the plan makes them": lambda: (
-            q.new_empty(shape, dtype=torch.bfloat16),
-            q.new_empty(shape[:-1], dtype=torch.float32),
-        ),
-        "step: the plan's Launch (C launcher)": lambda: plan.launch(q, k, v, out, lse, scale),
     }
 
 
@@ -211,9 +219,9 @@ def backward_steps(shape) -> dict:
         "flash forward+backward, the whole call": lambda: torch.autograd.grad(
             flash_attention(q, k, v, causal=True), (q, k, v), do
         ),
-        "step: the backward op's impl alone": lambda: flash_ops.flash_attn2_bwd_impl(
-            do, q.detach(), k.detach(), v.detach(), out, lse, True, 0.125
-        ),
+        "step: the backward op's entry below autograd": lambda: _entry(
+            flash_ops.flash_attn2_bwd
+        ).below_autograd((do, q.detach(), k.detach(), v.detach(), out, lse, True, 0.125)),
         "step: a kernel-free autograd.Function of 3 inputs, forward+backward": lambda: (
             torch.autograd.grad(_Identity.apply(q, k, v), (q, k, v), do, allow_unused=True)
         ),
@@ -223,9 +231,9 @@ def backward_steps(shape) -> dict:
         "swiglu forward+backward, the whole call": lambda: torch.autograd.grad(
             swiglu(a, b), (a, b), g
         ),
-        "step: swiglu's two impls alone (forward, backward)": lambda: (
-            swiglu_ops._swiglu_fwd(a.detach(), b.detach()),
-            swiglu_ops._swiglu_bwd(g, a.detach(), b.detach()),
+        "step: swiglu's two entries below autograd (forward, backward)": lambda: (
+            _entry(swiglu_ops.swiglu_fwd).below_autograd((a.detach(), b.detach())),
+            _entry(swiglu_ops.swiglu_bwd).below_autograd((g, a.detach(), b.detach())),
         ),
         "step: a kernel-free autograd.Function of 2 inputs, forward+backward": lambda: (
             torch.autograd.grad(_Identity.apply(a, b), (a, b), g, allow_unused=True)
@@ -240,6 +248,7 @@ def main() -> None:
     groups = {
         "one launch": launch_floor_steps(),
         "swiglu() 128x128 float32": swiglu_steps(torch.float32),
+        "swiglu_fwd op by name 128x128 float32": op_by_name_steps(),
         "Int8Linear M 128, K 4096, N 4096": int8_steps(128, 4096),
         "Int8Linear M 4096, K 4096, N 4096": int8_steps(4096, 4096),
         "flash forward 1x16x1024x64 bf16 causal": flash_steps((1, 16, 1024, 64)),
