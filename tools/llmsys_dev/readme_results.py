@@ -465,6 +465,52 @@ def root_table(root: Path) -> str:
     return "\n".join(lines)
 
 
+HOST_COST_COMMAND = "python packages/profiling/benchmarks/host_cost.py"
+
+
+def host_cost_table(root: Path) -> str:
+    """triton-launch's table: host microseconds per call of each package's call against what a
+    user calls instead, with the recorded plans and without them (the Python fallback)."""
+    rows = [r for r in _read(root, "profiling", "host_cost_h100.csv") if r["kind"] == "host"]
+    fallback = {
+        r["case"]: r
+        for r in _read(root, "profiling", "host_cost_h100_without_native_plans.csv")
+        if r["kind"] == "host"
+    }
+    lines = [
+        "| call | ours | instead | ours / instead | target | without native plans |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio, target = _float(r["ratio"]), _float(r["target_ratio"])
+        mark = "" if ratio is None or target is None else " ✓" if ratio <= target else " ✗"
+        old = fallback.get(r["case"])
+        cells = [
+            r["case"],
+            f"{float(r['ours_us']):.1f} us",
+            f"{r['baseline']}: {float(r['baseline_us']):.1f} us" if r["baseline"] else "",
+            f"{ratio:.2f}x{mark}" if ratio is not None else "",
+            f"{target:g}x" if target is not None else "",
+            ""
+            if old is None
+            else f"{float(old['ours_us']):.1f} us"
+            + (f" ({float(old['ratio']):.2f}x)" if old["ratio"] else ""),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    gpus = ", ".join(sorted({r["gpu"] for r in rows}))
+    days = ", ".join(sorted({r["date"] for r in rows}))
+    head = (
+        f"{gpus}, {days}, torch {rows[0]['torch']}, triton {rows[0]['triton']}; made by "
+        f"`{HOST_COST_COMMAND}` ([CSV](../profiling/benchmarks/results/host_cost_h100.csv)), and "
+        f"with `LLMSYS_NATIVE_PLANS=0` for the last column "
+        "([CSV](../profiling/benchmarks/results/host_cost_h100_without_native_plans.csv), "
+        "a second process on the same host). Host microseconds per call, loops of 50 calls "
+        "without a synchronize, medians of 21, ours and the call a user makes instead taking "
+        "turns in one process."
+    )
+    return head + "\n\n" + "\n".join(lines)
+
+
 def _replace(text: str, name: str, body: str) -> str:
     start, end = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
     if start not in text:
@@ -480,6 +526,7 @@ def generate(root: Path, texts: dict[Path, str]) -> dict[Path, str]:
     for path in readmes:
         text = texts.get(path, path.read_text())
         new = _replace(text, "root", root_table(root)) if path.parent == root else text
+        new = _replace(new, "triton-launch-host-cost", host_cost_table(root))
         for name, table in TABLES.items():
             if f"<!-- results:{name} -->" in new:
                 new = _replace(new, name, package_table(table, root))

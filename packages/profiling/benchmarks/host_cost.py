@@ -15,13 +15,16 @@ Needs a CUDA GPU. Three kinds of rows, all medians over repeats, in one process:
   from a CUDA graph, against fp16 ``x @ w.T``.
 
 Prints the table and writes it as ``host_cost_<gpu>.csv`` under DIR (default: results/ beside
-this file).
+this file); with ``LLMSYS_NATIVE_PLANS=0`` (ops run their Python impl on every call, the
+fallback where the C++ module cannot be built) as ``host_cost_<gpu>_without_native_plans.csv``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
+import os
 import statistics
 import time
 from functools import partial
@@ -360,10 +363,14 @@ def main() -> None:
     gpu = next((g for g in ("h100", "h200", "a100") if g in name.lower()), "gpu")
     print(f"{name}, torch {torch.__version__}, triton {triton.__version__}")
     table = rows()
+    today = datetime.date.today().isoformat()
+    plans = "on" if os.environ.get("LLMSYS_NATIVE_PLANS", "1") != "0" else "off"
     for entry in table:
         entry |= {"gpu": name, "torch": torch.__version__, "triton": triton.__version__}
+        entry |= {"date": today, "native_plans": plans}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"host_cost_{gpu}.csv"
+    suffix = "" if plans == "on" else "_without_native_plans"
+    path = args.out / f"host_cost_{gpu}{suffix}.csv"
     fields = [
         "kind",
         "case",
@@ -375,6 +382,8 @@ def main() -> None:
         "gpu",
         "torch",
         "triton",
+        "date",
+        "native_plans",
     ]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fields, restval="")

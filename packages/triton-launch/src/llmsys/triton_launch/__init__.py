@@ -2,7 +2,8 @@
 packages: ``launch`` (a compiled kernel without ``JITFunction.run``'s per-call host cost),
 ``define_op`` (the op's registration), ``wants_grad`` and ``call_below_autograd`` (how a package
 calls its ops), ``checks`` (argument checks whose errors name the argument), ``precise``
-(``exp``/``log`` that round as eager's CUDA kernels) and ``sm_count``."""
+(``exp``/``log`` that round as eager's CUDA kernels) and ``sm_count``. An op's eager calls
+replay a recorded plan in C++ after its first calls (``plans``)."""
 
 from . import checks, precise
 from .launcher import (
@@ -16,7 +17,7 @@ from .launcher import (
 )
 from .library import call_below_autograd, define_op, refuse_double_backward, wants_grad
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "Launch",

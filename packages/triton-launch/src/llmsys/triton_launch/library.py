@@ -16,6 +16,9 @@ function modes (fake tensors), functorch transforms, ``torch.jit.trace``, the pr
 then shows the op by name), and for tensor subclasses or devices other than CPU and CUDA
 (``_direct_call_ok``).
 
+Each op's calls go through its entry (``_impls``): the impl, or after the op's first CUDA call a
+``native_plans.Plans`` that replays a recorded plan of the impl where it has one (plans.py).
+
 Why not ``torch.library.custom_op`` or ``triton_op``: each adds a layer of Python around every
 eager call; measured in DECISIONS.md.
 """
