@@ -1,6 +1,8 @@
 """Recorded plans (plans.py, native_plans.cpp): a replayed call returns what the impl returns,
 and a call the recorder cannot vouch for goes to the impl."""
 
+import shutil
+
 import pytest
 import torch
 import triton
@@ -14,6 +16,7 @@ from llmsys.triton_launch import (
     plans,
     runs_under_interpreter,
 )
+from llmsys.triton_launch import native as native_build
 from llmsys.triton_launch.launcher import TensorDescriptor
 from llmsys.triton_launch.plans import _NotReplayable, _Recording, _result, _source
 
@@ -122,6 +125,17 @@ def test_results_map_to_allocations():
         _result(torch.empty(3), [out])
 
 
+def test_a_recorder_failure_warns_and_keeps_the_impls_result(monkeypatch):
+    def broken(recording, result):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(plans, "_plan", broken)
+    x = torch.randn(3)
+    with pytest.warns(RuntimeWarning, match="recording .* failed .*KeyError"):
+        result, plan = plans.record(lambda t: torch.empty_like(t).copy_(t), (x,))
+    assert plan is None and torch.equal(result, x)
+
+
 def test_cpu_calls_stay_with_the_impl():
     if not runs_under_interpreter(affine):
         pytest.skip("CPU tensors run Triton kernels only under TRITON_INTERPRET=1")
@@ -131,6 +145,21 @@ def test_cpu_calls_stay_with_the_impl():
         torch.testing.assert_close(affine_op(x, 2.0), x * 2 + 1)
     assert calls == ["affine"] * 4
     assert type(library._impls[affine_op]) is plans.PythonEntry
+
+
+def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl():
+    # Built wherever torch's headers and a C++ compiler are (CI included), so a change that
+    # breaks the build fails here, not at a GPU user's first call.
+    if shutil.which("g++") is None and shutil.which("clang++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    module = native_build.load(native_build.build_plans(), "native_plans")
+    seen = []
+    entry = module.Plans(lambda *args: seen.append(args) or "impl", affine_op)
+    x = torch.randn(4)
+    assert entry(x, 2.0) == "impl" and seen == [(x, 2.0)]
+    assert entry.states() == {"planned": 0, "pending": 0, "refused": 0}
+    with pytest.raises(ValueError, match="no replayable signature"):
+        entry.install((x, 2.0), ((), (), (0, ())))
 
 
 # --- on a GPU: replay --------------------------------------------------------------------------

@@ -115,6 +115,14 @@ def record(impl, args: tuple) -> tuple:
         return result, _plan(recording, result)
     except _NotReplayable:
         return result, None
+    except Exception as error:  # a recorder bug must not fail the call: the impl's result stands
+        warnings.warn(
+            f"llmsys.triton_launch: recording {getattr(impl, '__name__', impl)} failed "
+            f"({type(error).__name__}: {error}); its calls run the Python impl",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return result, None
 
 
 class _NotReplayable(Exception):
