@@ -7,6 +7,9 @@ root pyproject.toml; tests and benchmarks that size their cases at import read
 ``ON_GPU`` and ``DEVICE`` from there too).
 """
 
+import sys
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -28,6 +31,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _seed() -> None:
     """Every test starts from the same random state, so a failure reproduces."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_plans_from_earlier_tests() -> None:
+    """Every test starts without recorded plans (llmsys.triton_launch.plans): a test that
+    patches what an impl reads (a launch configuration, a kernel helper) must meet the impl,
+    not a plan another test recorded."""
+    library = sys.modules.get("llmsys.triton_launch.library")
+    if library is not None:
+        library.plans.forget()
 
 
 @pytest.fixture
@@ -55,13 +68,20 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture
-def poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+def poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty`` returns poison, so an
-    output element that no kernel writes fails the test."""
+    output element that no kernel writes fails the test. Recorded plans are off meanwhile: a
+    replay allocates in C++, past these functions (it launches the same kernels)."""
     empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **k: poison_(new_empty(*a, **k)))
+    library = sys.modules.get("llmsys.triton_launch.library")
+    if library is None:  # no op has been defined yet, so none has a plan
+        yield
+        return
+    with library.plans.disabled():
+        yield
 
 
 @pytest.fixture

@@ -105,6 +105,20 @@ def test_the_recorder_lists_allocations_and_refuses_other_work():
         assert recording.refused is not None
 
 
+def test_copies_are_recorded_only_where_replay_copies_the_same_argument():
+    x = torch.randn(6, 4).t()  # strided: .contiguous() copies
+    with _Recording((x, 2.0)) as recording:
+        x.contiguous()
+    assert recording.refused is None and [step.index for step in recording.launches] == [0]
+    with _Recording((x, x)) as recording:  # passed twice: which one a replay copies is unknown
+        x.contiguous()
+    assert recording.refused is not None
+    y = torch.randn(4, 6)
+    with _Recording((y,)) as recording:  # contiguous: a replay's .contiguous() is y itself
+        y.clone(memory_format=torch.contiguous_format)
+    assert recording.refused is not None
+
+
 def test_pointers_map_to_one_argument_or_allocation():
     x, y, out = torch.randn(10), torch.randn(10), torch.empty(10)
     sources = [(1, 0, x), (1, 1, y), (2, 0, out)]
@@ -280,6 +294,44 @@ def test_a_plan_replays_into_a_cuda_graph(native):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, x * 0.5 + 1, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_state_forget_and_disabled_decide_what_is_replayed(native):
+    switch = {"alpha": 2.0}
+    lib = torch.library.Library("llmsys_test_plans_state", "FRAGMENT")
+    op = define_op(
+        lib,
+        "scaled(Tensor x) -> Tensor",
+        lambda x: _affine(x, switch["alpha"]),  # reads a module switch, not an argument
+        torch.empty_like,
+        state=lambda: switch["alpha"],
+    )
+    x = torch.randn(300, device="cuda")
+    for alpha in (2.0, 4.0, 2.0, 4.0):
+        switch["alpha"] = alpha
+        for _ in range(4):
+            out = call_below_autograd(op, x)
+            torch.testing.assert_close(out, x * alpha + 1, rtol=0, atol=0)
+    assert _entry(op).states()["planned"] == 2
+    plans.forget(op)
+    assert _entry(op).states() == {"planned": 0, "pending": 0, "refused": 0}
+    calls.clear()
+    with plans.disabled():
+        for _ in range(4):
+            call_below_autograd(op, x)
+    assert calls == ["affine"] * 4 and _entry(op).states()["planned"] == 0
+
+
+@pytest.mark.gpu
+def test_a_full_table_makes_room_for_new_signatures(native):
+    for n in range(1, 301):  # more signatures than a table holds
+        x = torch.randn(n, device="cuda")
+        for _ in range(4):
+            out = call_below_autograd(affine_op, x, 0.5)
+        torch.testing.assert_close(out, x * 0.5 + 1, rtol=0, atol=0)
+    states = _entry(affine_op).states()
+    assert 0 < states["planned"] <= 256 and sum(states.values()) <= 256
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ import torch
 import triton
 
 from llmsys.triton_launch import cdiv, next_power_of_2
+from llmsys.triton_launch import plans as recorded_plans
 
 AUTOTUNE = os.environ.get("LLMSYS_INT8_AUTOTUNE", "1") != "0"
 TUNE_LOG = os.environ.get("LLMSYS_INT8_TUNE_LOG", "0") == "1"  # print every candidate's time
@@ -218,7 +219,8 @@ def remember(key, plan) -> None:
 
 
 def clear_cache() -> None:
-    """Forget every tuned configuration and every plan built on one (the next call of each
-    shape tunes again)."""
+    """Forget every tuned configuration and every plan built on one, the ops' recorded plans
+    included (the next call of each shape tunes again)."""
     _best.clear()
     plans.clear()
+    recorded_plans.forget()

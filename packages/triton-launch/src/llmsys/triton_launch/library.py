@@ -40,9 +40,14 @@ _PLAIN_TYPES = frozenset((int, float, bool, type(None)))
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 
 
-def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Callable):
+def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Callable, state=None):
     """Define ``lib.ns::schema``, implement it with ``impl`` on CPU and CUDA, and register
-    ``fake`` for tracing; returns the op's default overload."""
+    ``fake`` for tracing; returns the op's default overload.
+
+    ``state``: None, or a zero-argument callable returning a hashable value of everything the
+    impl reads besides its arguments that may change while a process runs (module switches, a
+    launch-configuration function a benchmark swaps): recorded plans (plans.py) are kept per
+    value, so a changed switch is never replayed with the old one's kernels."""
     name = schema.split("(", 1)[0]
     lib.define(schema)
     op = getattr(getattr(torch.ops, lib.ns), name).default
@@ -53,7 +58,7 @@ def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Cal
     for device in DEVICES:
         lib.impl(name, kernel, device)
     torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
-    _impls[op] = plans.PythonEntry(impl, op, _native_entry)
+    _impls[op] = plans.PythonEntry(impl, op, _native_entry, state)
     return op
 
 
@@ -62,7 +67,7 @@ def _native_entry(entry: plans.PythonEntry):
     module = plans.native_module()
     if module is None:
         return None
-    native_entry = _impls[entry.op] = module.Plans(entry.impl, entry.op)
+    native_entry = _impls[entry.op] = module.Plans(entry.impl, entry.op, entry.state)
     return native_entry
 
 

@@ -11,14 +11,20 @@
  * The table follows each signature through its calls:
  *   call 1: the impl runs as it is (it compiles, tunes and fills its caches);
  *   calls 2 and 3: the impl runs under plans.py's recorder; two equal recordings become the plan;
- *   a recording that fails (the impl did anything but allocate, view and launch), or two that
- *   differ, leave the signature to the impl for good.
+ *   a recording that fails (the impl did anything but allocate, copy, view and launch), or two
+ *   that differ, leave the signature to the impl for good; a recording during a CUDA-graph
+ *   capture is put off to a later call (a tuner does not tune there).
+ * A full table (256 signatures) drops its signatures without a plan, then, if still full, all.
  *
  *   init(plain, tests, autograd_records, strided, hooks_installed, recorder, driver)
  *       once: native_launch.plain and its arguments (the thread-state tests library.py uses),
  *       native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or None),
  *       and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
- *   Plans(impl, op)
+ *   set_enabled(flag) -> the previous setting: False runs every call's impl (tests that poison
+ *       fresh memory); signatures are kept
+ *   Plans(impl, op, state=None)
+ *       state: a zero-argument callable whose value (hashable, compared by equality) joins the
+ *           signature: module switches the impl reads (a kernel choice, a launch configuration)
  *       plans(*args): the impl's result, replayed where a plan exists (an op's registered
  *           kernel: the dispatcher has done its work)
  *       plans.below_autograd(args): library.call_below_autograd: the impl's result (replayed
@@ -75,6 +81,7 @@ typedef int (*encode_tiled_t)(void *map, int dtype, unsigned rank, void *address
 launch_kernel_t cu_launch_kernel = nullptr;
 encode_tiled_t cu_tensor_map_encode_tiled = nullptr;
 PyObject *plain_fn, *thread_tests, *autograd_records, *strided, *hooks_fn, *recorder;
+bool enabled = true;  // set_enabled(False): every call runs the impl (tests that poison memory)
 
 constexpr int MAX_PARAMS = 128;
 constexpr int MAX_MAPS = 8;  // tensor maps per launch
@@ -146,6 +153,7 @@ struct Entry {
     int calls = 0;           // calls seen before the plan
     bool refused = false;    // a failed or unstable recording: the impl from now on
     PyObject *first = NULL;  // the first recording (a new reference)
+    PyObject *state = NULL;  // the op's state when the signature was first seen (a reference)
     std::unique_ptr<Plan> plan;
 };
 
@@ -161,6 +169,14 @@ struct SignatureHash {
 
 typedef std::unordered_map<Signature, Entry, SignatureHash> Table;
 
+void clear_table(Table *table) {
+    for (auto &item : *table) {
+        Py_CLEAR(item.second.first);
+        Py_CLEAR(item.second.state);
+    }
+    table->clear();
+}
+
 /* The signature of args, and the CUDA device of its tensors; false (no error set) when the call
  * is not one to replay: a tensor not on CUDA or not strided, tensors on two devices, no tensor,
  * an int past 64 bits, an argument other than a tensor, int, float, bool or None. */
@@ -175,6 +191,7 @@ bool signature(PyObject *const *args, Py_ssize_t n, Signature &sig, int &device)
             if (device >= 0 && index != device) return false;
             device = index;
             sig.push_back(1);
+            sig.push_back(index);  // a plan's kernels belong to one device's context
             sig.push_back(static_cast<int64_t>(t.scalar_type()));
             sig.push_back(t.requires_grad());
             sig.push_back(t.dim());
@@ -219,11 +236,6 @@ PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::Device where(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
     if (cuda->getDevice() != where) return NULL;  // the impl sets the device for the launch
-    PyObject *hooked = PyObject_CallNoArgs(hooks_fn);
-    if (hooked == NULL) return NULL;
-    int installed = PyObject_IsTrue(hooked);
-    Py_DECREF(hooked);
-    if (installed != 0) return NULL;  // a profiler's launch hooks (or an error): the impl
 
     std::vector<at::Tensor> allocations;
     allocations.reserve(plan.allocations.size());
@@ -467,6 +479,7 @@ struct PlansObject {
     vectorcallfunc vectorcall;
     PyObject *impl;
     PyObject *op;
+    PyObject *state;  // a zero-argument callable, or None
     Table *table;
 };
 
@@ -475,16 +488,59 @@ PyObject *call_impl(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
 }
 
 /* The impl's result for args, replayed or recorded where the signature allows. */
+/* Make room for a new signature in a full table: drop the signatures without a plan, and if every
+ * one has a plan, all of them (a workload whose shapes keep changing keeps getting plans). */
+void make_room(Table *table) {
+    if (table->size() < MAX_SIGNATURES) return;
+    for (auto it = table->begin(); it != table->end();) {
+        if (it->second.plan) {
+            ++it;
+            continue;
+        }
+        Py_CLEAR(it->second.first);
+        Py_CLEAR(it->second.state);
+        it = table->erase(it);
+    }
+    if (table->size() >= MAX_SIGNATURES) clear_table(table);
+}
+
+/* The value of the op's state callable (a new reference), or NULL with an error set. */
+PyObject *state_of(PlansObject *self) {
+    if (self->state == Py_None) return Py_NewRef(Py_None);
+    return PyObject_CallNoArgs(self->state);
+}
+
+/* The impl's result for args, replayed or recorded where the signature allows. */
 PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     Signature sig;
     int device;
-    if (!signature(args, n, sig, device)) return call_impl(self, args, n);
+    if (!enabled || !signature(args, n, sig, device)) return call_impl(self, args, n);
+    // Triton's launch hooks (a profiler) must see every launch: the impl, before anything that
+    // could run Python while a plan is in use.
+    PyObject *hooked = PyObject_CallNoArgs(hooks_fn);
+    if (hooked == NULL) return NULL;
+    int installed = PyObject_IsTrue(hooked);
+    Py_DECREF(hooked);
+    if (installed < 0) return NULL;
+    if (installed) return call_impl(self, args, n);
+    PyObject *state = state_of(self);  // module switches the impl reads: part of the signature
+    if (state == NULL) return NULL;
+    Py_hash_t state_hash = PyObject_Hash(state);
+    if (state_hash == -1) {
+        Py_DECREF(state);
+        return NULL;
+    }
+    sig.push_back(static_cast<int64_t>(state_hash));
     auto found = self->table->find(sig);
     if (found == self->table->end()) {
-        if (self->table->size() >= MAX_SIGNATURES) return call_impl(self, args, n);
+        make_room(self->table);
         found = self->table->emplace(std::move(sig), Entry()).first;
+        found->second.state = Py_NewRef(state);
     }
     Entry &entry = found->second;
+    int same_state = PyObject_RichCompareBool(entry.state, state, Py_EQ);  // (a hash collision)
+    Py_DECREF(state);
+    if (same_state <= 0) return same_state < 0 ? NULL : call_impl(self, args, n);
     if (entry.plan) {
         PyObject *result = replay(*entry.plan, args, device);
         if (result != NULL || PyErr_Occurred()) return result;
@@ -492,7 +548,7 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     }
     if (entry.refused || entry.calls++ == 0) return call_impl(self, args, n);
 
-    // Calls 2 and 3: record. (The table may rehash while the impl runs: look the entry up again.)
+    // Calls 2 and 3: record. (The table may change while the impl runs: look the entry up again.)
     Signature key = found->first;
     PyObject *tuple = PyTuple_New(n);
     if (tuple == NULL) return NULL;
@@ -509,11 +565,16 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_INCREF(data);
     Py_DECREF(recorded);
     auto again = self->table->find(key);
-    if (again == self->table->end()) {  // cleared meanwhile
+    if (again == self->table->end()) {  // forgotten meanwhile
         Py_DECREF(data);
         return result;
     }
     Entry &e = again->second;
+    if (data == Py_False) {  // not now (a CUDA-graph capture): record a later call instead
+        --e.calls;
+        Py_DECREF(data);
+        return result;
+    }
     if (data == Py_None || e.refused) {
         e.refused = true;
         Py_CLEAR(e.first);
@@ -528,7 +589,25 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_CLEAR(e.first);
     if (same > 0) {
         e.plan = read_plan(data, n);
-        if (!e.plan) same = -1;  // plans.py built a plan this file cannot read: a bug, raised
+        if (!e.plan) {  // plans.py built a plan this file cannot read: a bug; the impl stands
+            same = 0;
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            PyObject *text = value != NULL ? PyObject_Str(value) : NULL;
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(traceback);
+            int warned = PyErr_WarnFormat(PyExc_RuntimeWarning, 1,
+                                          "native_plans: a recorded plan was refused (%S); "
+                                          "this signature runs the Python impl",
+                                          text != NULL ? text : Py_None);
+            Py_XDECREF(text);
+            if (warned < 0) {
+                Py_DECREF(data);
+                Py_DECREF(result);
+                return NULL;
+            }
+        }
     }
     Py_DECREF(data);
     if (same < 0) {
@@ -566,6 +645,10 @@ PyObject *plans_below_autograd(PlansObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "Plans.below_autograd(args: tuple)");
         return NULL;
     }
+    if (plain_fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "native_plans: init() was not called");
+        return NULL;
+    }
     PyObject *plain_args[4] = {args, thread_tests, autograd_records, strided};
     PyObject *verdict = PyObject_Vectorcall(plain_fn, plain_args, 4, NULL);
     if (verdict == NULL) return NULL;
@@ -592,8 +675,25 @@ PyObject *plans_install(PlansObject *self, PyObject *const *args, Py_ssize_t n) 
     }
     std::unique_ptr<Plan> plan = read_plan(args[1], n_args);
     if (!plan) return NULL;
+    PyObject *const *items = &PyTuple_GET_ITEM(args[0], 0);
+    for (const Launch &l : plan->launches) {  // every argument a plan reads must be a tensor
+        bool tensors = l.copy_of < 0 || THPVariable_Check(items[l.copy_of]);
+        for (const Param &p : l.params)
+            tensors = tensors && (p.source != 1 || THPVariable_Check(items[p.index]));
+        if (!tensors) return fail_format("pointer (not a tensor argument)"), nullptr;
+    }
+    PyObject *state = state_of(self);
+    if (state == NULL) return NULL;
+    Py_hash_t state_hash = PyObject_Hash(state);
+    if (state_hash == -1) {
+        Py_DECREF(state);
+        return NULL;
+    }
+    sig.push_back(static_cast<int64_t>(state_hash));
+    make_room(self->table);
     Entry &entry = (*self->table)[sig];
     Py_CLEAR(entry.first);
+    Py_XSETREF(entry.state, state);
     entry.refused = false;
     entry.plan = std::move(plan);
     Py_RETURN_NONE;
@@ -610,10 +710,7 @@ PyObject *plans_states(PlansObject *self, PyObject *) {
                          refused);
 }
 
-void clear_table(Table *table) {
-    for (auto &item : *table) Py_CLEAR(item.second.first);
-    table->clear();
-}
+
 
 PyObject *plans_clear(PlansObject *self, PyObject *) {
     clear_table(self->table);
@@ -621,13 +718,18 @@ PyObject *plans_clear(PlansObject *self, PyObject *) {
 }
 
 PyObject *plans_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *impl, *op;
-    if (!PyArg_ParseTuple(args, "OO:Plans", &impl, &op)) return NULL;
+    PyObject *impl, *op, *state = Py_None;
+    if (!PyArg_ParseTuple(args, "OO|O:Plans", &impl, &op, &state)) return NULL;
+    if (state != Py_None && !PyCallable_Check(state)) {
+        PyErr_SetString(PyExc_TypeError, "Plans: `state` must be a callable or None");
+        return NULL;
+    }
     PlansObject *self = reinterpret_cast<PlansObject *>(type->tp_alloc(type, 0));
     if (self == NULL) return NULL;
     self->vectorcall = plans_vectorcall;
     self->impl = Py_NewRef(impl);
     self->op = Py_NewRef(op);
+    self->state = Py_NewRef(state);
     self->table = new Table();
     return reinterpret_cast<PyObject *>(self);
 }
@@ -637,6 +739,7 @@ void plans_dealloc(PlansObject *self) {
     delete self->table;
     Py_CLEAR(self->impl);
     Py_CLEAR(self->op);
+    Py_CLEAR(self->state);
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
 }
 
@@ -678,8 +781,18 @@ PyObject *init(PyObject *, PyObject *const *args, Py_ssize_t n) {
     Py_RETURN_NONE;
 }
 
+PyObject *set_enabled(PyObject *, PyObject *flag) {
+    int on = PyObject_IsTrue(flag);
+    if (on < 0) return NULL;
+    PyObject *before = PyBool_FromLong(enabled);
+    enabled = on;
+    return before;
+}
+
 PyMethodDef module_methods[] = {
     {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL, "Set the Python callables."},
+    {"set_enabled", set_enabled, METH_O,
+     "Replay and record (True) or run every impl (False); returns the previous setting."},
     {NULL, NULL, 0, NULL},
 };
 

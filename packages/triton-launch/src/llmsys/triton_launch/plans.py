@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
 from functools import cache
 from typing import NamedTuple
 
@@ -33,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import launcher, native
 
 aten = torch.ops.aten
+MAX_PARAMS, MAX_MAPS = 128, 8  # native_plans.cpp's limits per launch (Triton's 2 scratch included)
 # What a plan may contain besides launches: allocations, and views (metadata only).
 _ALLOCATIONS = frozenset(
     (
@@ -88,14 +90,17 @@ class _Recording(TorchDispatchMode):
         return result
 
     def _copy(self, source, kwargs: dict, result) -> bool:
-        """Record ``source.contiguous()`` of an argument as a step of the plan."""
-        if kwargs.get("memory_format") is not torch.contiguous_format:
+        """Record ``source.contiguous()`` of a strided argument as a step of the plan: replayed
+        as ``.contiguous()`` of the same argument, which copies because the signature fixes its
+        strides. (A copy of a contiguous argument, or of one passed twice, is refused: the first
+        would be the argument itself at replay, the second could be either.)"""
+        if kwargs.get("memory_format") is not torch.contiguous_format or source.is_contiguous():
             return False
-        for index, arg in enumerate(self.args):
-            if arg is source:
-                self.launches.append(_Copy(index, result))
-                return True
-        return False
+        indices = [i for i, arg in enumerate(self.args) if arg is source]
+        if len(indices) != 1:
+            return False
+        self.launches.append(_Copy(indices[0], result))
+        return True
 
     def __enter__(self):
         launcher.recording.active = self
@@ -108,7 +113,10 @@ class _Recording(TorchDispatchMode):
 
 def record(impl, args: tuple) -> tuple:
     """Run ``impl(*args)`` and record it: ``(result, plan)``, the plan None where the call
-    cannot be replayed (``native_plans.cpp`` describes the plan's layout)."""
+    cannot be replayed (``native_plans.cpp`` describes the plan's layout), False where it is not
+    recorded now (during a CUDA-graph capture, where a tuner does not tune)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return impl(*args), False
     with _Recording(args) as recording:
         result = impl(*args)
     try:
@@ -197,6 +205,7 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
             params.append(("p", *_source(address, sources)))
         else:
             params.append((kind, 0, 0, value))
+    _refuse(len(params) + 2 > MAX_PARAMS or sum(p[0] == "t" for p in params) > MAX_MAPS)
     grid3 = sizes + (1,) * (3 - len(sizes))
     shared = compiled.metadata.shared
     return compiled.function, grid3, 32 * compiled.metadata.num_warps, shared, tuple(params)
@@ -285,12 +294,13 @@ class PythonEntry:
     """An op's impl called from Python: ``entry(*args)`` is ``impl(*args)``;
     ``entry.below_autograd(args)`` is ``library.call_below_autograd``'s choice between the impl
     and the op. ``native_plans.Plans`` has the same two calls, with replay; an entry becomes one
-    at its first call with a CUDA tensor, where the C++ module can be had."""
+    at its first call with a CUDA tensor, where the C++ module can be had. ``state``: None, or
+    a zero-argument callable whose value joins a plan's signature (``define_op``)."""
 
-    __slots__ = ("impl", "op", "upgrade")
+    __slots__ = ("impl", "op", "state", "upgrade")
 
-    def __init__(self, impl, op, upgrade) -> None:
-        self.impl, self.op, self.upgrade = impl, op, upgrade
+    def __init__(self, impl, op, upgrade, state=None) -> None:
+        self.impl, self.op, self.upgrade, self.state = impl, op, upgrade, state
 
     def __call__(self, *args):
         if self.upgrade is not None and (upgraded := self._upgraded(args)) is not None:
@@ -344,3 +354,28 @@ def native_module():
             stacklevel=3,
         )
         return None
+
+
+def forget(*ops) -> None:
+    """Forget the recorded plans of ``ops`` (every op when none is named): their next calls
+    record again. For code that changes what an impl reads outside its arguments (a tuner's
+    cache, a patched helper) without a ``state`` that says so."""
+    from .library import _impls  # (library imports this module)
+
+    for op in ops or tuple(_impls):
+        entry = _impls.get(op)
+        if hasattr(entry, "clear"):
+            entry.clear()
+
+
+@contextmanager
+def disabled():
+    """Within this block every op runs its Python impl (nothing is replayed or recorded); for
+    tests that watch what an impl allocates, such as the poisoned-allocation fixture."""
+    module = native_module() if torch.cuda.is_available() else None  # (CPU calls never replay)
+    before = module.set_enabled(False) if module else None
+    try:
+        yield
+    finally:
+        if module:
+            module.set_enabled(before)
