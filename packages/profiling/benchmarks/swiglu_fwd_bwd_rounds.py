@@ -1,0 +1,84 @@
+"""SwiGLU forward+backward host time against eager, over rounds in changing order (issue 25).
+
+    python packages/profiling/benchmarks/swiglu_fwd_bwd_rounds.py [--rounds 4] [--out DIR]
+
+(with every package's src/ and tools/ on PYTHONPATH). Needs a CUDA GPU. One call is
+``torch.autograd.grad`` of 1024x1024 bf16 SwiGLU, as in ``host_cost.py``; the calls are the
+public ``swiglu()``, its ``autograd.Function`` applied directly, and eager ``F.silu(a) * b``,
+forward alone and forward+backward. Each round times them side by side (host microseconds per
+call, loops of 50 without a synchronize, medians of 21) in an order of its own (as listed,
+reversed, then shuffled), because the place in the round moved single results by 5-10% on the
+H100 hosts. Writes ``swiglu_fwd_bwd_rounds_<gpu>.csv`` under DIR (default: results/ beside this
+file) and prints each round and the median ratio to eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import random
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmsys.bench_harness.harness import host_us_side_by_side
+from llmsys.kernels_swiglu import swiglu
+from llmsys.kernels_swiglu.functional import _SwiGLUFunction
+
+
+def cases() -> dict:
+    a, b, g = (torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    a.requires_grad_(), b.requires_grad_()
+    return {
+        "eager fwd+bwd": lambda: torch.autograd.grad(F.silu(a) * b, (a, b), g),
+        "swiglu() fwd+bwd": lambda: torch.autograd.grad(swiglu(a, b), (a, b), g),
+        "its autograd.Function, applied directly, fwd+bwd": lambda: torch.autograd.grad(
+            _SwiGLUFunction.apply(a, b), (a, b), g
+        ),
+        "eager fwd": lambda: F.silu(a) * b,
+        "swiglu() fwd": lambda: swiglu(a, b),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of all calls (default 4)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("swiglu_fwd_bwd_rounds.py needs a CUDA GPU")
+    calls = cases()
+    for fn in calls.values():  # the first call, two recordings: then the plans
+        for _ in range(5):
+            fn()
+    torch.cuda.synchronize()
+    names, gpu, rows = list(calls), torch.cuda.get_device_name(), []
+    for r in range(args.rounds):
+        order = names if r == 0 else names[::-1] if r == 1 else random.Random(r).sample(names, 5)
+        times = host_us_side_by_side([calls[n] for n in order], calls=50, repeats=21)
+        got = dict(zip(order, times, strict=True))
+        print(f"round {r}: " + "; ".join(f"{n} {got[n]:.1f} us" for n in names), flush=True)
+        for n in names:
+            eager = got["eager fwd+bwd" if "bwd" in n else "eager fwd"]
+            rows.append({"round": r, "call": n, "host_us": round(got[n], 2), "position":
+                         order.index(n), "ratio_to_eager": round(got[n] / eager, 3), "gpu": gpu,
+                         "date": datetime.date.today().isoformat()})  # fmt: skip
+    for n in names:
+        ratios = [row["ratio_to_eager"] for row in rows if row["call"] == n]
+        print(f"{n:50} median ratio to eager {statistics.median(ratios):.3f} "
+              f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    short = next((g for g in ("h100", "h200", "a100") if g in gpu.lower()), "gpu")
+    path = args.out / f"swiglu_fwd_bwd_rounds_{short}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
