@@ -281,14 +281,21 @@ def main() -> None:
         for name, us in zip(steps, times, strict=True):
             print(f"  {name:78} {us:8.1f} us")
             rows.append({"group": group, "step": name, "host_us": round(us, 2), "gpu": gpu})
-    args.out.mkdir(parents=True, exist_ok=True)
-    short = next((g for g in ("h100", "h200", "a100") if g in gpu.lower()), "gpu")
-    path = args.out / f"host_breakdown_{short}.csv"
+    print(f"wrote {write_rows(rows, args.out, 'host_breakdown')}")
+
+
+def write_rows(rows: list[dict], out: Path, stem: str) -> Path:
+    """Write ``rows`` as ``<stem>_<gpu>.csv`` under ``out`` (h100, h200, a100 or gpu, from the
+    current device's name); returns the path."""
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name().lower()
+    short = next((g for g in ("h100", "h200", "a100") if g in name), "gpu")
+    path = out / f"{stem}_{short}.csv"
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

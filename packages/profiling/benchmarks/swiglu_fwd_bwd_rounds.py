@@ -15,7 +15,6 @@ file) and prints each round and the median ratio to eager.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import random
 import statistics
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmsys.bench_harness.harness import host_us_side_by_side
+from llmsys.bench_harness.harness import host_us_side_by_side, load_beside
 from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.functional import _SwiGLUFunction
 
@@ -70,14 +69,8 @@ def main() -> None:
         ratios = [row["ratio_to_eager"] for row in rows if row["call"] == n]
         print(f"{n:50} median ratio to eager {statistics.median(ratios):.3f} "
               f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    short = next((g for g in ("h100", "h200", "a100") if g in gpu.lower()), "gpu")
-    path = args.out / f"swiglu_fwd_bwd_rounds_{short}.csv"
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
+    host_breakdown = load_beside(__file__, "host_breakdown")
+    print(f"wrote {host_breakdown.write_rows(rows, args.out, 'swiglu_fwd_bwd_rounds')}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def _compile(source: Path, compiler, flags, libraries, identity: bytes, director
     named by a hash of everything that goes into it; reused when it exists."""
     directory = cache_dir() if directory is None else directory
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    text = source.read_bytes() + suffix.encode() + identity + " ".join(flags).encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("native_*.h")))
+    text = source.read_bytes() + headers + suffix.encode() + identity + " ".join(flags).encode()
     tag = hashlib.sha256(text).hexdigest()[:16]
     target = directory / f"{source.stem}_{tag}{suffix}"
     if target.exists():

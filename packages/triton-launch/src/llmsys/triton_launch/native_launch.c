@@ -52,6 +52,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_slot.h"
+
 #define MAX_PARAMS 128
 
 typedef int CUresult;
@@ -81,15 +83,6 @@ static int load_driver(void) {
     return 1;
 }
 
-typedef union {
-    uint64_t u64;
-    int64_t i64;
-    uint32_t u32;
-    int32_t i32;
-    int8_t i8;
-    float f32;
-    double f64;
-} Slot;
 
 static int address(PyObject *arg, uint64_t *out) {
     if (PyLong_Check(arg)) {

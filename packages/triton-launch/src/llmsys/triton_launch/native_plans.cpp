@@ -64,6 +64,8 @@
 
 #include <cstring>
 #include <memory>
+
+#include "native_slot.h"
 #include <unordered_map>
 #include <vector>
 
@@ -100,16 +102,6 @@ struct MapSpec {
     uint32_t box[5];
 };
 constexpr size_t MAX_SIGNATURES = 256;  // per op: past it, new signatures go to the impl
-
-union Slot {
-    uint64_t u64;
-    int64_t i64;
-    uint32_t u32;
-    int32_t i32;
-    int8_t i8;
-    float f32;
-    double f64;
-};
 
 struct Param {
     char kind;
@@ -504,10 +496,19 @@ void make_room(Table *table) {
     if (table->size() >= MAX_SIGNATURES) clear_table(table);
 }
 
-/* The value of the op's state callable (a new reference), or NULL with an error set. */
-PyObject *state_of(PlansObject *self) {
-    if (self->state == Py_None) return Py_NewRef(Py_None);
-    return PyObject_CallNoArgs(self->state);
+/* The value of the op's state callable, its hash appended to sig (a new reference), or NULL with
+ * an error set. */
+PyObject *append_state(PlansObject *self, Signature &sig) {
+    PyObject *state =
+        self->state == Py_None ? Py_NewRef(Py_None) : PyObject_CallNoArgs(self->state);
+    if (state == NULL) return NULL;
+    Py_hash_t hash = PyObject_Hash(state);
+    if (hash == -1) {
+        Py_DECREF(state);
+        return NULL;
+    }
+    sig.push_back(static_cast<int64_t>(hash));
+    return state;
 }
 
 /* The impl's result for args, replayed or recorded where the signature allows. */
@@ -523,14 +524,8 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_DECREF(hooked);
     if (installed < 0) return NULL;
     if (installed) return call_impl(self, args, n);
-    PyObject *state = state_of(self);  // module switches the impl reads: part of the signature
+    PyObject *state = append_state(self, sig);  // module switches the impl reads
     if (state == NULL) return NULL;
-    Py_hash_t state_hash = PyObject_Hash(state);
-    if (state_hash == -1) {
-        Py_DECREF(state);
-        return NULL;
-    }
-    sig.push_back(static_cast<int64_t>(state_hash));
     auto found = self->table->find(sig);
     if (found == self->table->end()) {
         make_room(self->table);
@@ -682,14 +677,8 @@ PyObject *plans_install(PlansObject *self, PyObject *const *args, Py_ssize_t n) 
             tensors = tensors && (p.source != 1 || THPVariable_Check(items[p.index]));
         if (!tensors) return fail_format("pointer (not a tensor argument)"), nullptr;
     }
-    PyObject *state = state_of(self);
+    PyObject *state = append_state(self, sig);
     if (state == NULL) return NULL;
-    Py_hash_t state_hash = PyObject_Hash(state);
-    if (state_hash == -1) {
-        Py_DECREF(state);
-        return NULL;
-    }
-    sig.push_back(static_cast<int64_t>(state_hash));
     make_room(self->table);
     Entry &entry = (*self->table)[sig];
     Py_CLEAR(entry.first);
