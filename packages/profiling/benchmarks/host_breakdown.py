@@ -110,7 +110,9 @@ def op_by_name_steps() -> dict:
     lib = torch.library.Library("llmsys_breakdown", "FRAGMENT")
     _keep_alive.append(lib)  # a Library's ops are deregistered when it is collected
     lib.define("plain(Tensor a, Tensor b) -> Tensor")
-    lib.impl("plain", entry, "CUDA")
+    entry.register_kernel("llmsys_breakdown::plain", "CUDA")  # as define_op registers it
+    lib.define("python_kernel(Tensor a, Tensor b) -> Tensor")
+    lib.impl("python_kernel", entry, "CUDA")
     lib.define("allocate(Tensor a, Tensor b) -> Tensor")
     lib.impl("allocate", lambda a, b: torch.empty_like(a), "CUDA")
     torch.library.register_autograd(
@@ -120,11 +122,15 @@ def op_by_name_steps() -> dict:
     return {
         "eager F.silu(a) * b": lambda: F.silu(a) * b,
         "torch.ops.llm_scaling_week.swiglu_fwd, the whole call": lambda: op(a, b),
-        "step: our entry alone, as the dispatcher calls it (thread-state test, plan)": lambda: (
-            entry(a, b)
-        ),
-        "step: the same entry as an op without an autograd kernel (the dispatcher trip)": (
+        "step: our entry called from Python (thread-state test, plan)": lambda: entry(a, b),
+        "step: the entry as an op's C++ CUDA kernel, no autograd kernel (the dispatcher trip)": (
             lambda: ops.plain(a, b)
+        ),
+        "step: the same as a Python CUDA kernel (the trip before 0.7.0)": (
+            lambda: ops.python_kernel(a, b)
+        ),
+        "step: torch.ops.aten.neg.default(a), an ATen op by the same route (alloc, launch)": (
+            lambda: torch.ops.aten.neg.default(a)
         ),
         "step: torch's register_autograd kernel around an impl that only allocates": lambda: (
             ops.allocate(a, b)

@@ -77,6 +77,15 @@ def _tiles(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _checked(x: torch.Tensor) -> torch.Tensor:
+    calls.append("checked")
+    if x.dim() != 1:
+        raise ValueError(f"checked: `x` must be 1-D, got {x.dim()} dimensions")
+    out = torch.empty_like(x)
+    launch(affine, triton.cdiv(x.numel(), 64), (x, out, x.numel(), 1.0), {"BLOCK": 64})
+    return out
+
+
 _lib = torch.library.Library("llmsys_test_plans", "FRAGMENT")
 affine_op = define_op(_lib, "affine(Tensor x, float alpha) -> Tensor", _affine, torch.empty_like)
 two_op = define_op(
@@ -87,6 +96,7 @@ two_op = define_op(
 )
 zeros_op = define_op(_lib, "zeros(Tensor x) -> Tensor", _zeros, torch.empty_like)
 tiles_op = define_op(_lib, "tiles(Tensor x) -> Tensor", _tiles, torch.empty_like)
+checked_op = define_op(_lib, "checked(Tensor x) -> Tensor", _checked, torch.empty_like)
 
 
 # --- on any machine: what the recorder accepts --------------------------------------------------
@@ -205,6 +215,40 @@ def test_the_third_call_records_a_plan_and_later_calls_replay_it(native):
     x = torch.randn(1000, device="cuda")
     torch.testing.assert_close(affine_op(x, 0.5), x * 0.5 + 1, rtol=0, atol=0)  # by name
     assert calls == ["affine"] * 3
+
+
+@pytest.mark.gpu
+def test_a_call_by_name_replays_in_the_cpp_cuda_kernel(native):
+    x = torch.randn(301, device="cuda")
+    torch.testing.assert_close(affine_op(x, 8.0), x * 8 + 1, rtol=0, atol=0)  # upgrades
+    _entry(affine_op)
+    assert "native_plans.Plans" in torch._C._dispatch_dump("llmsys_test_plans::affine")
+    calls.clear()
+    for _ in range(5):
+        x = torch.randn(301, device="cuda")
+        torch.testing.assert_close(affine_op(x, 8.0), x * 8 + 1, rtol=0, atol=0)
+    assert calls == ["affine"] * 2  # the two recordings; then replays, with no Python
+    calls.clear()
+    for _ in range(5):  # a tuple with a None, through the schema's `Tensor?`
+        x, y = torch.randn(2, 40, device="cuda"), torch.randn(80, device="cuda")
+        out, none = two_op(x, y)
+        assert none is None and out.shape == (2, 40)
+        torch.testing.assert_close(out.view(-1)[1:], y[1:] * 4 + 1, rtol=0, atol=0)
+    assert calls == ["two"] * 3
+    with torch.profiler.profile() as prof:
+        affine_op(x.view(-1), 8.0)
+    assert any(e.name == "llmsys_test_plans::affine" for e in prof.events())
+
+
+@pytest.mark.gpu
+def test_the_impls_errors_reach_a_caller_by_name_unchanged(native):
+    x = torch.randn(64, device="cuda")
+    torch.testing.assert_close(checked_op(x), x + 1, rtol=0, atol=0)
+    bad = torch.randn(8, 8, device="cuda")
+    for _ in range(4):  # the first call, the two recordings, and after
+        with pytest.raises(ValueError, match=r"`x` must be 1-D, got 2 dimensions"):
+            checked_op(bad)
+    torch.testing.assert_close(checked_op(x), x + 1, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

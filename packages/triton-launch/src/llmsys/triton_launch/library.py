@@ -1,23 +1,25 @@
 """Registering a package's ops and calling them: one way for every kernel package.
 
-Each op is defined on a ``torch.library.Library`` fragment with one Python implementation for
-CPU and CUDA and a fake (meta) implementation, so ``torch.compile(fullgraph=True)`` keeps it as
-one node and CUDA graphs capture its launches. Every package calls its ops the same way: the
-public function takes the package's ``autograd.Function`` when grad is wanted (``wants_grad``),
-else ``call_below_autograd(op, ...)``; an op called by its registered name is differentiable
-(or refuses gradients) through torch's own ``torch.library.register_autograd``.
+Each op is defined on a ``torch.library.Library`` fragment with one Python implementation (for
+CPU, and for CUDA until the op's C++ entry takes over) and a fake (meta) implementation, so
+``torch.compile(fullgraph=True)`` keeps it as one node and CUDA graphs capture its launches.
+Every package calls its ops the same way: the public function takes the package's
+``autograd.Function`` when grad is wanted (``wants_grad``), else ``call_below_autograd(op,
+...)``; an op called by its registered name is differentiable (or refuses gradients) through
+torch's own ``torch.library.register_autograd``.
 
-In eager mode on plain tensors the dispatcher can only hand the arguments to that Python
-implementation, and each trip through it costs several microseconds of host time (more than
-the launch, DECISIONS.md). So the package's own calls (its public functions and its
-``autograd.Function``\\ s) go to the implementation directly whenever that is all the
-dispatcher would do, and through the op otherwise: under ``torch.compile``, dispatch and
-function modes (fake tensors), functorch transforms, ``torch.jit.trace``, the profiler (which
-then shows the op by name), and for tensor subclasses or devices other than CPU and CUDA
-(``_direct_call_ok``).
+In eager mode on plain tensors the dispatcher's trip to a Python kernel costs several
+microseconds of host time (more than the launch, DECISIONS.md). So the package's own calls (its
+public functions and its ``autograd.Function``\\ s) go to the implementation directly whenever
+that is all the dispatcher would do, and through the op otherwise: under ``torch.compile``,
+dispatch and function modes (fake tensors), functorch transforms, ``torch.jit.trace``, the
+profiler (which then shows the op by name), and for tensor subclasses or devices other than CPU
+and CUDA (``_direct_call_ok``).
 
 Each op's calls go through its entry (``_impls``): the impl, or after the op's first CUDA call a
-``native_plans.Plans`` that replays a recorded plan of the impl where it has one (plans.py).
+``native_plans.Plans`` that replays a recorded plan of the impl where it has one (plans.py). That
+entry is then also the op's CUDA kernel, registered in C++, so a call by name that the
+dispatcher hands to CUDA replays without a trip into Python.
 
 Why not ``torch.library.custom_op`` or ``triton_op``: each adds a layer of Python around every
 eager call; measured in DECISIONS.md.
@@ -31,7 +33,11 @@ import torch
 
 from . import native, plans
 
-DEVICES = ("CPU", "CUDA")
+# The Python kernel's keys. CUDA calls reach it through CompositeExplicitAutograd (every backend)
+# until the op's C++ entry is registered for CUDA itself, which the dispatcher then prefers:
+# registering over a Python CUDA kernel would warn, and removing that kernel could free it in
+# the middle of the call that triggers the swap.
+KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
 
 # op (OpOverload) -> its entry: its impl, called as plans.PythonEntry or native_plans.Plans
 _impls: dict = {}
@@ -55,19 +61,22 @@ def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Cal
     def kernel(*args):  # the op's entry: its impl, replayed from a recorded plan where it can be
         return _impls[op](*args)
 
-    for device in DEVICES:
-        lib.impl(name, kernel, device)
+    for key in KERNEL_KEYS:
+        lib.impl(name, kernel, key)
     torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
     _impls[op] = plans.PythonEntry(impl, op, _native_entry, state)
     return op
 
 
 def _native_entry(entry: plans.PythonEntry):
-    """Replace ``entry`` by a ``native_plans.Plans`` of the same impl, where it can be built."""
+    """Replace ``entry`` by a ``native_plans.Plans`` of the same impl, where it can be built, and
+    register that as the op's CUDA kernel."""
     module = plans.native_module()
     if module is None:
         return None
-    native_entry = _impls[entry.op] = module.Plans(entry.impl, entry.op, entry.state)
+    native_entry = module.Plans(entry.impl, entry.op, entry.state)
+    native_entry.register_kernel(entry.op._schema.name, "CUDA")
+    _impls[entry.op] = native_entry
     return native_entry
 
 

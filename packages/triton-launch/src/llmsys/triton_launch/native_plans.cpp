@@ -25,8 +25,11 @@
  *   Plans(impl, op, state=None)
  *       state: a zero-argument callable whose value (hashable, compared by equality) joins the
  *           signature: module switches the impl reads (a kernel choice, a launch configuration)
- *       plans(*args): the impl's result, replayed where a plan exists (an op's registered
- *           kernel: the dispatcher has done its work)
+ *       plans(*args): the impl's result, replayed where a plan exists (the op's Python kernel:
+ *           the dispatcher has done its work)
+ *       plans.register_kernel(name, key): make this entry the op's kernel for a dispatch key
+ *           ("CUDA"): a call with a plan replays from the dispatcher's arguments without
+ *           Python; anything else is plans(*args) with those arguments as Python objects
  *       plans.below_autograd(args): library.call_below_autograd: the impl's result (replayed
  *           where it can be) when native_launch.plain says autograd records nothing and the
  *           dispatcher would only call the impl; else op(*args)
@@ -56,6 +59,8 @@
  */
 #include <Python.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
@@ -169,28 +174,42 @@ void clear_table(Table *table) {
     table->clear();
 }
 
+/* Append tensor t's part of a signature; false when it is not on CUDA, not strided, or on
+ * another device than the call's other tensors. */
+bool append_tensor(const at::Tensor &t, Signature &sig, int &device) {
+    if (t.layout() != c10::kStrided || !t.is_cuda()) return false;
+    int index = t.get_device();
+    if (device >= 0 && index != device) return false;
+    device = index;
+    sig.push_back(1);
+    sig.push_back(index);  // a plan's kernels belong to one device's context
+    sig.push_back(static_cast<int64_t>(t.scalar_type()));
+    sig.push_back(t.requires_grad());
+    sig.push_back(t.dim());
+    for (int64_t s : t.sizes()) sig.push_back(s);
+    for (int64_t s : t.strides()) sig.push_back(s);
+    // Triton specializes on 16-byte alignment, and a check may ask more: the low bits.
+    sig.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) & 127);
+    return true;
+}
+
+void append_float(double v, Signature &sig) {
+    int64_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    sig.push_back(5);
+    sig.push_back(bits);
+}
+
 /* The signature of args, and the CUDA device of its tensors; false (no error set) when the call
  * is not one to replay: a tensor not on CUDA or not strided, tensors on two devices, no tensor,
  * an int past 64 bits, an argument other than a tensor, int, float, bool or None. */
 bool signature(PyObject *const *args, Py_ssize_t n, Signature &sig, int &device) {
     device = -1;
+    sig.reserve(64);  // one allocation for a call of a few tensors
     for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject *arg = args[i];
         if (THPVariable_CheckExact(arg)) {
-            const at::Tensor &t = THPVariable_Unpack(arg);
-            if (t.layout() != c10::kStrided || !t.is_cuda()) return false;
-            int index = t.get_device();
-            if (device >= 0 && index != device) return false;
-            device = index;
-            sig.push_back(1);
-            sig.push_back(index);  // a plan's kernels belong to one device's context
-            sig.push_back(static_cast<int64_t>(t.scalar_type()));
-            sig.push_back(t.requires_grad());
-            sig.push_back(t.dim());
-            for (int64_t s : t.sizes()) sig.push_back(s);
-            for (int64_t s : t.strides()) sig.push_back(s);
-            // Triton specializes on 16-byte alignment, and a check may ask more: the low bits.
-            sig.push_back(reinterpret_cast<uintptr_t>(t.data_ptr()) & 127);
+            if (!append_tensor(THPVariable_Unpack(arg), sig, device)) return false;
         } else if (arg == Py_None) {
             sig.push_back(2);
         } else if (PyBool_Check(arg)) {
@@ -206,11 +225,32 @@ bool signature(PyObject *const *args, Py_ssize_t n, Signature &sig, int &device)
             sig.push_back(4);
             sig.push_back(v);
         } else if (PyFloat_CheckExact(arg)) {
-            double v = PyFloat_AS_DOUBLE(arg);
-            int64_t bits;
-            std::memcpy(&bits, &v, sizeof bits);
-            sig.push_back(5);
-            sig.push_back(bits);
+            append_float(PyFloat_AS_DOUBLE(arg), sig);
+        } else {
+            return false;
+        }
+    }
+    return device >= 0;
+}
+
+/* The same signature of the dispatcher's arguments (the registered CUDA kernel's): the same
+ * numbers for the same Python call, so both ways in share a plan. */
+bool signature(c10::ArrayRef<c10::IValue> args, Signature &sig, int &device) {
+    device = -1;
+    sig.reserve(64);  // one allocation for a call of a few tensors
+    for (const c10::IValue &arg : args) {
+        if (arg.isTensor()) {
+            if (!append_tensor(arg.toTensor(), sig, device)) return false;
+        } else if (arg.isNone()) {
+            sig.push_back(2);
+        } else if (arg.isBool()) {
+            sig.push_back(3);
+            sig.push_back(arg.toBool());
+        } else if (arg.isInt()) {
+            sig.push_back(4);
+            sig.push_back(arg.toInt());
+        } else if (arg.isDouble()) {
+            append_float(arg.toDouble(), sig);
         } else {
             return false;
         }
@@ -220,14 +260,14 @@ bool signature(PyObject *const *args, Py_ssize_t n, Signature &sig, int &device)
 
 char *pointer_of(const at::Tensor &t) { return static_cast<char *>(t.data_ptr()); }
 
-/* Replay plan with args on `device`: the result (a new reference), NULL with an error set, or
- * NULL with none set when the call must go to the impl. */
-PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
-    HANDLE_TH_ERRORS
+/* Replay plan on `device`, its outputs into `outputs` (an undefined tensor for None); false
+ * when the call must go to the impl. tensor_at(i): argument i, a tensor. Throws on errors. */
+template <typename TensorAt>
+bool replay(const Plan &plan, TensorAt tensor_at, int device, std::vector<at::Tensor> &outputs) {
     const c10::impl::DeviceGuardImplInterface *cuda =
         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
     c10::Device where(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
-    if (cuda->getDevice() != where) return NULL;  // the impl sets the device for the launch
+    if (cuda->getDevice() != where) return false;  // the impl sets the device for the launch
 
     std::vector<at::Tensor> allocations;
     allocations.reserve(plan.allocations.size());
@@ -243,7 +283,7 @@ PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
     std::vector<at::Tensor> copies;
     for (const Launch &launch : plan.launches) {
         if (launch.copy_of >= 0) {
-            copies.push_back(THPVariable_Unpack(args[launch.copy_of]).contiguous());
+            copies.push_back(tensor_at(launch.copy_of).contiguous());
             continue;
         }
         size_t n = launch.params.size();
@@ -252,7 +292,7 @@ PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
             if (p.source == 0) {
                 slots[i] = p.constant;
             } else {
-                const at::Tensor &t = p.source == 1   ? THPVariable_Unpack(args[p.index])
+                const at::Tensor &t = p.source == 1   ? tensor_at(p.index)
                                       : p.source == 2 ? allocations[p.index]
                                                       : copies[p.index];
                 slots[i].u64 = reinterpret_cast<uint64_t>(pointer_of(t) + p.offset);
@@ -263,11 +303,8 @@ PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
                 int status = cu_tensor_map_encode_tiled(
                     &maps[p.map], m.dtype, m.rank, reinterpret_cast<void *>(slots[i].u64), m.dims,
                     m.strides, m.box, unit_strides, 0, m.swizzle, L2_PROMOTION_128B, m.fill);
-                if (status != 0) {
-                    PyErr_Format(PyExc_RuntimeError,
-                                 "native_plans: cuTensorMapEncodeTiled failed (%d)", status);
-                    return NULL;
-                }
+                TORCH_CHECK(status == 0, "native_plans: cuTensorMapEncodeTiled failed (", status,
+                            ")");
                 params[i] = &maps[p.map];
             }
         }
@@ -277,26 +314,34 @@ PyObject *replay(const Plan &plan, PyObject *const *args, int device) {
         int status = cu_launch_kernel(launch.function, launch.grid[0], launch.grid[1],
                                       launch.grid[2], launch.threads, 1, 1, launch.shared, stream,
                                       params, NULL);
-        if (status != 0) {
-            PyErr_Format(PyExc_RuntimeError, "native_plans: cuLaunchKernel failed (%d)", status);
-            return NULL;
-        }
+        TORCH_CHECK(status == 0, "native_plans: cuLaunchKernel failed (", status, ")");
     }
 
+    outputs.reserve(plan.outputs.size());
+    for (const Output &o : plan.outputs) {
+        if (o.allocation < 0)
+            outputs.emplace_back();
+        else if (o.view)
+            outputs.push_back(allocations[o.allocation].as_strided(o.sizes, o.strides, o.offset));
+        else
+            outputs.push_back(allocations[o.allocation]);
+    }
+    return true;
+}
+
+/* Replay plan with Python args: the result (a new reference), NULL with an error set, or NULL
+ * with none set when the call must go to the impl. */
+PyObject *replay_python(const Plan &plan, PyObject *const *args, int device) {
+    HANDLE_TH_ERRORS
+    std::vector<at::Tensor> outputs;
+    auto tensor_at = [args](int i) -> const at::Tensor & { return THPVariable_Unpack(args[i]); };
+    if (!replay(plan, tensor_at, device, outputs)) return NULL;
     if (plan.result == 0) Py_RETURN_NONE;
-    PyObject *out = PyTuple_New(plan.outputs.size());
+    PyObject *out = PyTuple_New(outputs.size());
     if (out == NULL) return NULL;
-    for (size_t i = 0; i < plan.outputs.size(); ++i) {
-        const Output &o = plan.outputs[i];
-        PyObject *item;
-        if (o.allocation < 0) {
-            item = Py_NewRef(Py_None);
-        } else if (o.view) {
-            item = THPVariable_Wrap(
-                allocations[o.allocation].as_strided(o.sizes, o.strides, o.offset));
-        } else {
-            item = THPVariable_Wrap(allocations[o.allocation]);
-        }
+    for (size_t i = 0; i < outputs.size(); ++i) {
+        PyObject *item = outputs[i].defined() ? THPVariable_Wrap(std::move(outputs[i]))
+                                              : Py_NewRef(Py_None);
         if (item == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -511,40 +556,56 @@ PyObject *append_state(PlansObject *self, Signature &sig) {
     return state;
 }
 
+/* Whether a plan may replay now: replay on, and no Triton launch hooks (a profiler must see
+ * every launch: the impl, before anything that could run Python while a plan is in use); -1
+ * with an error set. */
+int replays_now() {
+    if (!enabled) return 0;
+    PyObject *hooked = PyObject_CallNoArgs(hooks_fn);
+    if (hooked == NULL) return -1;
+    int installed = PyObject_IsTrue(hooked);
+    Py_DECREF(hooked);
+    return installed < 0 ? -1 : !installed;
+}
+
+/* The entry of sig, the op's state appended to it (created where `create`), or NULL: none, or
+ * one whose state differs (a hash collision), or an error (set). */
+Entry *find_entry(PlansObject *self, Signature &sig, bool create) {
+    PyObject *state = append_state(self, sig);  // module switches the impl reads
+    if (state == NULL) return NULL;
+    auto found = self->table->find(sig);
+    if (found == self->table->end()) {
+        if (!create) {
+            Py_DECREF(state);
+            return NULL;
+        }
+        make_room(self->table);
+        found = self->table->emplace(sig, Entry()).first;  // (a copy: run() keeps sig)
+        found->second.state = Py_NewRef(state);
+    }
+    int same_state = PyObject_RichCompareBool(found->second.state, state, Py_EQ);
+    Py_DECREF(state);
+    return same_state > 0 ? &found->second : NULL;
+}
+
 /* The impl's result for args, replayed or recorded where the signature allows. */
 PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     Signature sig;
     int device;
     if (!enabled || !signature(args, n, sig, device)) return call_impl(self, args, n);
-    // Triton's launch hooks (a profiler) must see every launch: the impl, before anything that
-    // could run Python while a plan is in use.
-    PyObject *hooked = PyObject_CallNoArgs(hooks_fn);
-    if (hooked == NULL) return NULL;
-    int installed = PyObject_IsTrue(hooked);
-    Py_DECREF(hooked);
-    if (installed < 0) return NULL;
-    if (installed) return call_impl(self, args, n);
-    PyObject *state = append_state(self, sig);  // module switches the impl reads
-    if (state == NULL) return NULL;
-    auto found = self->table->find(sig);
-    if (found == self->table->end()) {
-        make_room(self->table);
-        found = self->table->emplace(std::move(sig), Entry()).first;
-        found->second.state = Py_NewRef(state);
-    }
-    Entry &entry = found->second;
-    int same_state = PyObject_RichCompareBool(entry.state, state, Py_EQ);  // (a hash collision)
-    Py_DECREF(state);
-    if (same_state <= 0) return same_state < 0 ? NULL : call_impl(self, args, n);
+    int now = replays_now();
+    if (now <= 0) return now < 0 ? NULL : call_impl(self, args, n);
+    Entry *found = find_entry(self, sig, true);
+    if (found == NULL) return PyErr_Occurred() ? NULL : call_impl(self, args, n);
+    Entry &entry = *found;
     if (entry.plan) {
-        PyObject *result = replay(*entry.plan, args, device);
+        PyObject *result = replay_python(*entry.plan, args, device);
         if (result != NULL || PyErr_Occurred()) return result;
         return call_impl(self, args, n);
     }
     if (entry.refused || entry.calls++ == 0) return call_impl(self, args, n);
 
     // Calls 2 and 3: record. (The table may change while the impl runs: look the entry up again.)
-    Signature key = found->first;
     PyObject *tuple = PyTuple_New(n);
     if (tuple == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
@@ -559,7 +620,7 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     Py_INCREF(result);
     Py_INCREF(data);
     Py_DECREF(recorded);
-    auto again = self->table->find(key);
+    auto again = self->table->find(sig);
     if (again == self->table->end()) {  // forgotten meanwhile
         Py_DECREF(data);
         return result;
@@ -633,6 +694,165 @@ PyObject *plans_vectorcall(PyObject *callable, PyObject *const *args, size_t nar
     bool direct = verdict != Py_None;
     Py_DECREF(verdict);
     return direct ? run(self, args, n) : call_impl(self, args, n);
+}
+
+// --- the op's registered CUDA kernel --------------------------------------------------------
+// An op called by its name reaches its CUDA kernel through torch's autograd kernel. Registered
+// here rather than as a Python function, a call with a plan replays without a trip into Python
+// and back (the dispatcher's Python kernel: about 3 us on an H100 host, DECISIONS.md). At the
+// CUDA key the dispatcher has done its work: modes, tracers and transforms have had their turn,
+// and a replay's allocations go through the dispatcher as the impl's would.
+
+struct GILHeld {  // the dispatcher may call a kernel with the GIL released
+    PyGILState_STATE state = PyGILState_Ensure();
+    ~GILHeld() { PyGILState_Release(state); }
+};
+
+[[noreturn]] void throw_python_error() {  // the Python error set, as a C++ exception
+    python_error error;
+    error.persist();
+    throw error;
+}
+
+PyObject *to_python(const c10::IValue &v) {  // a new reference, or NULL with an error set
+    if (v.isTensor()) return THPVariable_Wrap(v.toTensor());
+    if (v.isNone()) return Py_NewRef(Py_None);
+    if (v.isBool()) return PyBool_FromLong(v.toBool());
+    if (v.isInt()) return PyLong_FromLongLong(v.toInt());
+    if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+    if (v.isString()) {
+        const std::string &text = v.toStringRef();
+        return PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
+    }
+    PyErr_Format(PyExc_TypeError, "native_plans: cannot pass an argument of type %s to the impl",
+                 v.tagKind().c_str());
+    return NULL;
+}
+
+bool optional_return(const c10::FunctionSchema &schema, size_t i) {  // a `Tensor?` return
+    return schema.returns()[i].type()->kind() == c10::TypeKind::OptionalType;
+}
+
+/* Push the impl's result as the schema's returns: tensors, or None where a return is optional. */
+void push_result(PyObject *result, const c10::FunctionSchema &schema, torch::jit::Stack *stack) {
+    size_t n_returns = schema.returns().size();
+    if (n_returns == 0) {
+        TORCH_CHECK(result == Py_None, "native_plans: the impl returned a value where the op's "
+                                       "schema returns nothing");
+        return;
+    }
+    bool one = n_returns == 1;
+    TORCH_CHECK(one || (PyTuple_Check(result) &&
+                        static_cast<size_t>(PyTuple_GET_SIZE(result)) == n_returns),
+                "native_plans: the impl returned ", Py_TYPE(result)->tp_name, " where the op's "
+                "schema returns ", n_returns, " values");
+    for (size_t i = 0; i < n_returns; ++i) {
+        PyObject *item = one ? result : PyTuple_GET_ITEM(result, i);
+        if (item == Py_None && optional_return(schema, i)) {
+            stack->emplace_back();
+            continue;
+        }
+        TORCH_CHECK(THPVariable_Check(item), "native_plans: the impl returned ",
+                    Py_TYPE(item)->tp_name, " as output ", i, " where the op's schema says Tensor");
+        stack->emplace_back(THPVariable_Unpack(item));
+    }
+}
+
+class PlansKernel final : public c10::OperatorKernel {
+  public:
+    explicit PlansKernel(PlansObject *plans) : plans_(plans) {}
+
+    void operator()(const c10::OperatorHandle &op, c10::DispatchKeySet, torch::jit::Stack *stack) {
+        const c10::FunctionSchema &schema = op.schema();
+        size_t n = schema.arguments().size();
+        GILHeld gil;
+        c10::ArrayRef<c10::IValue> args = torch::jit::last(*stack, n);
+        std::vector<at::Tensor> outputs;
+        if (replayed(args, schema, outputs)) {
+            torch::jit::drop(*stack, n);
+            for (at::Tensor &t : outputs) {
+                if (t.defined())
+                    stack->emplace_back(std::move(t));
+                else
+                    stack->emplace_back();
+            }
+            return;
+        }
+        // Anything else (no plan yet, a recording, a CPU tensor): the entry as Python calls it.
+        std::vector<PyObject *> py_args;
+        py_args.reserve(n);
+        for (const c10::IValue &arg : args) {
+            PyObject *item = to_python(arg);
+            if (item == NULL) break;
+            py_args.push_back(item);
+        }
+        PyObject *result = py_args.size() == n
+                               ? plans_vectorcall(reinterpret_cast<PyObject *>(plans_),
+                                                  py_args.data(), n, NULL)
+                               : NULL;
+        for (PyObject *item : py_args) Py_DECREF(item);
+        if (result == NULL) throw_python_error();
+        torch::jit::drop(*stack, n);
+        try {
+            push_result(result, schema, stack);
+        } catch (...) {
+            Py_DECREF(result);
+            throw;
+        }
+        Py_DECREF(result);
+    }
+
+  private:
+    /* Replay args' plan into outputs; false when there is none to replay now. */
+    bool replayed(c10::ArrayRef<c10::IValue> args, const c10::FunctionSchema &schema,
+                  std::vector<at::Tensor> &outputs) {
+        Signature sig;
+        int device;
+        if (!signature(args, sig, device)) return false;
+        int now = replays_now();
+        if (now <= 0) {
+            if (now < 0) throw_python_error();
+            return false;
+        }
+        Entry *entry = find_entry(plans_, sig, false);
+        if (entry == NULL && PyErr_Occurred()) throw_python_error();
+        if (entry == NULL || !entry->plan) return false;
+        const Plan &plan = *entry->plan;
+        size_t n_returns = schema.returns().size();
+        bool fits = plan.result == 0 ? n_returns == 0
+                    : plan.result == 1 ? n_returns == 1
+                                       : plan.outputs.size() == n_returns;
+        for (size_t i = 0; fits && i < plan.outputs.size(); ++i)
+            fits = plan.outputs[i].allocation >= 0 || optional_return(schema, i);
+        if (!fits) return false;  // the impl's result would fail the schema: let push_result say so
+        auto tensor_at = [args](int i) -> const at::Tensor & { return args[i].toTensor(); };
+        return replay(plan, tensor_at, device, outputs);
+    }
+
+    PlansObject *plans_;  // a reference held for the process's life (the kernel is never removed)
+};
+
+/* plans.register_kernel(qualified_name, dispatch_key): make this entry the op's kernel for that
+ * key ("CUDA"; "CPU" in tests), in place of a Python kernel the caller has removed. */
+PyObject *plans_register_kernel(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
+    const char *name, *key;
+    if (n != 2 || !(name = PyUnicode_AsUTF8(args[0])) || !(key = PyUnicode_AsUTF8(args[1]))) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "Plans.register_kernel(name: str, key: str)");
+        return NULL;
+    }
+    HANDLE_TH_ERRORS
+    c10::DispatchKey dispatch_key = c10::parseDispatchKey(key);
+    Py_INCREF(self);  // the kernel's reference
+    auto functor = std::make_unique<PlansKernel>(self);
+    // The handle is kept, never destroyed: unregistering at interpreter exit would run after
+    // Python is gone.
+    new c10::RegistrationHandleRAII(c10::Dispatcher::singleton().registerImpl(
+        c10::OperatorName(name, ""), dispatch_key,
+        c10::KernelFunction::makeFromBoxedKernel(c10::BoxedKernel::makeFromFunctor(std::move(functor))),
+        std::nullopt, nullptr, "llmsys native_plans.Plans"));
+    Py_RETURN_NONE;
+    END_HANDLE_TH_ERRORS
 }
 
 PyObject *plans_below_autograd(PlansObject *self, PyObject *args) {
@@ -740,6 +960,8 @@ PyMethodDef plans_methods[] = {
     {"below_autograd", (PyCFunction)plans_below_autograd, METH_O,
      "The impl's result where autograd records nothing and the dispatcher would only call the "
      "impl, else op(*args)."},
+    {"register_kernel", (PyCFunction)(void (*)(void))plans_register_kernel, METH_FASTCALL,
+     "Register this entry as the op's kernel for a dispatch key (C++, no Python per call)."},
     {"install", (PyCFunction)(void (*)(void))plans_install, METH_FASTCALL,
      "Install a plan for the signature of args."},
     {"states", (PyCFunction)plans_states, METH_NOARGS, "How many signatures are in each state."},
