@@ -59,6 +59,22 @@ class _MinimalSwiGLU(torch.autograd.Function):
         return library._impls[swiglu_ops.swiglu_bwd].below_autograd((grad, a, b))
 
 
+class AllocatingSwiGLU(torch.autograd.Function):
+    """What swiglu's Function does with no kernel: saves its inputs, allocates its output in
+    forward and both gradients in backward, launches nothing. The floor under any SwiGLU
+    written as a Python ``autograd.Function``."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.empty_like(a)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return torch.empty_like(a), torch.empty_like(b)
+
+
 def swiglu_forward_launch(a: torch.Tensor):
     """The prepared Launch and grid of swiglu's forward kernel for ``a`` (already called once)."""
     n = a.numel()
@@ -262,6 +278,9 @@ def backward_steps(shape) -> dict:
         ),
         "step: the same two ops in a minimal autograd.Function (no wants_grad, no checks)": (
             lambda: torch.autograd.grad(_MinimalSwiGLU.apply(a, b), (a, b), g)
+        ),
+        "step: a Function that saves and allocates as swiglu's does, no kernel": (
+            lambda: torch.autograd.grad(AllocatingSwiGLU.apply(a, b), (a, b), g)
         ),
     }
 

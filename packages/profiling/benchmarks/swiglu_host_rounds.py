@@ -4,9 +4,11 @@
 
 (with every package's src/ and tools/ on PYTHONPATH). Needs a CUDA GPU. The calls, each with
 the eager call it is compared with, as in ``host_cost.py``: ``torch.autograd.grad`` of 1024x1024
-bf16 SwiGLU through the public ``swiglu()`` and through its ``autograd.Function`` applied
-directly, against ``F.silu(a) * b``; the forward alone at that size; and the 128x128 float32
-forward through ``swiglu()`` and through ``torch.ops.llm_scaling_week.swiglu_fwd`` by name.
+bf16 SwiGLU through the public ``swiglu()``, through its ``autograd.Function`` applied
+directly, and through a Function that saves and allocates as it does but launches nothing (the
+floor of any Python ``autograd.Function``), against ``F.silu(a) * b``; the forward alone at
+that size; and the 128x128 float32 forward through ``swiglu()`` and through
+``torch.ops.llm_scaling_week.swiglu_fwd`` by name.
 Each round times them side by side (host microseconds per call, loops of 50 without a
 synchronize, medians of 21) in an order of its own (as listed, reversed, then shuffled), because
 the place in the round moved single results by 5-10% on the H100 hosts. Writes
@@ -30,7 +32,7 @@ from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.functional import _SwiGLUFunction
 
 
-def cases() -> dict:
+def cases(host_breakdown) -> dict:
     """name -> (call, the name of the eager call it is compared with)."""
     a, b, g = (torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     a.requires_grad_(), b.requires_grad_()
@@ -42,6 +44,10 @@ def cases() -> dict:
         "swiglu() fwd+bwd": (lambda: torch.autograd.grad(swiglu(a, b), (a, b), g), eager),
         "its autograd.Function, applied directly, fwd+bwd": (
             lambda: torch.autograd.grad(_SwiGLUFunction.apply(a, b), (a, b), g),
+            eager,
+        ),
+        "a Function that saves and allocates as swiglu's does, no kernel, fwd+bwd": (
+            lambda: torch.autograd.grad(host_breakdown.AllocatingSwiGLU.apply(a, b), (a, b), g),
             eager,
         ),
         eager_fwd: (lambda: F.silu(a) * b, eager_fwd),
@@ -59,7 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("swiglu_host_rounds.py needs a CUDA GPU")
-    calls = cases()
+    host_breakdown = load_beside(__file__, "host_breakdown")
+    calls = cases(host_breakdown)
     for fn, _ in calls.values():  # the first call, two recordings: then the plans
         for _ in range(5):
             fn()
@@ -80,7 +87,6 @@ def main() -> None:
         ratios = [row["ratio_to_eager"] for row in rows if row["call"] == n]
         print(f"{n:50} median ratio to eager {statistics.median(ratios):.3f} "
               f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")  # fmt: skip
-    host_breakdown = load_beside(__file__, "host_breakdown")
     print(f"wrote {host_breakdown.write_rows(rows, args.out, 'swiglu_host_rounds')}")
 
 

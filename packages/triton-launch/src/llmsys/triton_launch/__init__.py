@@ -17,7 +17,7 @@ from .launcher import (
 )
 from .library import call_below_autograd, define_op, refuse_double_backward, wants_grad
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 __all__ = [
     "Launch",
