@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import random
 from pathlib import Path
 
 import torch
@@ -307,6 +308,24 @@ def main() -> None:
             print(f"  {name:78} {us:8.1f} us")
             rows.append({"group": group, "step": name, "host_us": round(us, 2), "gpu": gpu})
     print(f"wrote {write_rows(rows, args.out, 'host_breakdown')}")
+
+
+def rounds_in_changing_order(calls: dict, rounds: int, repeats: int) -> list[dict]:
+    """Host microseconds per call of each of ``calls`` (name -> function), side by side, once per
+    round: as listed, reversed, then shuffled, since the place in a round moved single results
+    by 5-10% on the H100 hosts. Each call runs five times first (its first call, two
+    recordings, then its plan). Returns one {name: us} per round."""
+    for fn in calls.values():
+        for _ in range(5):
+            fn()
+    torch.cuda.synchronize()
+    names, results = list(calls), []
+    for r in range(rounds):
+        shuffled = random.Random(r).sample(names, len(names))
+        order = names if r == 0 else names[::-1] if r == 1 else shuffled
+        times = host_us_side_by_side([calls[n] for n in order], calls=50, repeats=repeats)
+        results.append(dict(zip(order, times, strict=True)))
+    return results
 
 
 def write_rows(rows: list[dict], out: Path, stem: str) -> Path:

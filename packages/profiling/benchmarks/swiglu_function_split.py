@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import random
 import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from llmsys.bench_harness.harness import host_us_side_by_side, load_beside
+from llmsys.bench_harness.harness import load_beside
 from llmsys.kernels_swiglu import ops, swiglu
 from llmsys.triton_launch import library
 
@@ -102,24 +101,16 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("swiglu_function_split.py needs a CUDA GPU")
-    calls = cases()
-    for fn in calls.values():  # the first call, two recordings: then the plans
-        for _ in range(5):
-            fn()
-    torch.cuda.synchronize()
-    names, gpu, rows = list(calls), torch.cuda.get_device_name(), []
-    for r in range(args.rounds):
-        shuffled = random.Random(r).sample(names, len(names))
-        order = names if r == 0 else names[::-1] if r == 1 else shuffled
-        times = dict(zip(order, host_us_side_by_side([calls[n] for n in order], calls=50,
-                                                     repeats=15), strict=True))  # fmt: skip
-        for n in names:
-            rows.append({"round": r, "call": n, "host_us": round(times[n], 2), "gpu": gpu,
-                         "date": datetime.date.today().isoformat()})  # fmt: skip
-    for n in names:
-        median = statistics.median(row["host_us"] for row in rows if row["call"] == n)
-        print(f"{n:58} median {median:7.1f} us")
     host_breakdown = load_beside(__file__, "host_breakdown")
+    gpu, rows = torch.cuda.get_device_name(), []
+    rounds = host_breakdown.rounds_in_changing_order(cases(), args.rounds, repeats=15)
+    for r, times in enumerate(rounds):
+        for n, us in times.items():
+            rows.append({"round": r, "call": n, "host_us": round(us, 2), "gpu": gpu,
+                         "date": datetime.date.today().isoformat()})  # fmt: skip
+    for n in rounds[0]:
+        median = statistics.median(times[n] for times in rounds)
+        print(f"{n:58} median {median:7.1f} us")
     print(f"wrote {host_breakdown.write_rows(rows, args.out, 'swiglu_function_split')}")
 
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import random
 import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from llmsys.bench_harness.harness import host_us_side_by_side, load_beside
+from llmsys.bench_harness.harness import load_beside
 from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.functional import _SwiGLUFunction
 
@@ -67,17 +66,11 @@ def main() -> None:
         raise SystemExit("swiglu_host_rounds.py needs a CUDA GPU")
     host_breakdown = load_beside(__file__, "host_breakdown")
     calls = cases(host_breakdown)
-    for fn, _ in calls.values():  # the first call, two recordings: then the plans
-        for _ in range(5):
-            fn()
-    torch.cuda.synchronize()
     names, gpu, rows = list(calls), torch.cuda.get_device_name(), []
-    for r in range(args.rounds):
-        shuffled = random.Random(r).sample(names, len(names))
-        order = names if r == 0 else names[::-1] if r == 1 else shuffled
-        times = host_us_side_by_side([calls[n][0] for n in order], calls=50, repeats=21)
-        got = dict(zip(order, times, strict=True))
+    timed = {n: fn for n, (fn, _) in calls.items()}
+    for r, got in enumerate(host_breakdown.rounds_in_changing_order(timed, args.rounds, 21)):
         print(f"round {r}: " + "; ".join(f"{n} {got[n]:.1f} us" for n in names), flush=True)
+        order = list(got)  # (the order the round ran in)
         for n in names:
             eager = got[calls[n][1]]
             rows.append({"round": r, "call": n, "host_us": round(got[n], 2), "position":

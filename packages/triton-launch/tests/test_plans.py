@@ -7,6 +7,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmsys.triton_launch import (
     call_below_autograd,
@@ -184,6 +185,55 @@ def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl():
     assert entry.states() == {"planned": 0, "pending": 0, "refused": 0}
     with pytest.raises(ValueError, match="no replayable signature"):
         entry.install((x, 2.0), ((), (), (0, ())))
+
+
+def _python_plain_call(args: tuple):
+    """library._plain_call's pure-Python path: the reference for native_plans.plain."""
+    if not library._thread_state_plain():
+        return None
+    requires_grad = library._plain_arguments(args)
+    return None if requires_grad is None else requires_grad and library._autograd_records()
+
+
+class _Seen(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_cpp_thread_state_test_agrees_with_pythons():
+    if shutil.which("g++") is None and shutil.which("clang++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    module = native_build.load(native_build.build_plans(), "native_plans")
+    x, w = torch.randn(4), torch.randn(4, requires_grad=True)
+    verdicts = []
+
+    def both(args, state):
+        verdicts.append((state, module.plain(args), _python_plain_call(args)))
+
+    both((x, 2.0, 3, True, None), "plain")
+    both((x, w), "grad wanted")
+    with torch.no_grad():
+        both((x, w), "no_grad")
+    with torch._C._AutoDispatchBelowAutograd():
+        both((x, w), "below autograd")
+    both((x, torch.nn.Parameter(torch.randn(4))), "a subclass")
+    both((x, "text"), "a string")
+    both((x.to_sparse(),), "sparse")
+    with _Seen():
+        both((x,), "a dispatch mode")
+    with torch.device("cpu"):
+        both((x,), "a function mode")
+    torch.func.vmap(lambda row: both((row,), "vmap") or row)(torch.randn(2, 3))
+    torch.jit.trace(lambda t: both((t,), "jit.trace") or t * 1, (x,))
+    with torch.autograd.profiler.profile():
+        both((x,), "profiler")
+    direct = {"plain": False, "grad wanted": True, "no_grad": False, "below autograd": False}
+    for state, cpp, python in verdicts:
+        assert cpp == python, (state, cpp, python)
+        if state != "jit.trace":  # (trace runs the function again, untraced, to check it)
+            assert python == direct.get(state), (state, python)
+    assert None in {python for state, _, python in verdicts if state == "jit.trace"}
+    assert len({state for state, _, _ in verdicts}) == 12
 
 
 # --- on a GPU: replay --------------------------------------------------------------------------

@@ -16,10 +16,11 @@
  *   capture is put off to a later call (a tuner does not tune there).
  * A full table (256 signatures) drops its signatures without a plan, then, if still full, all.
  *
- *   init(plain, tests, autograd_records, strided, hooks_installed, recorder, driver)
- *       once: native_launch.plain and its arguments (the thread-state tests library.py uses),
- *       native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or None),
- *       and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
+ *   init(hooks_installed, recorder, driver)
+ *       once: native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or
+ *       None), and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
+ *   plain(args) -> library._plain_call(args) as the entries ask it, from torch's thread-locals
+ *       (False: the impl directly; True: autograd records; None: the op)
  *   set_enabled(flag) -> the previous setting: False runs every call's impl (tests that poison
  *       fresh memory); signatures are kept
  *   Plans(impl, op, state=None)
@@ -59,13 +60,19 @@
  */
 #include <Python.h>
 
+#include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/ops/empty_strided.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 
 #include <cstring>
 #include <memory>
@@ -87,7 +94,7 @@ typedef int (*encode_tiled_t)(void *map, int dtype, unsigned rank, void *address
 
 launch_kernel_t cu_launch_kernel = nullptr;
 encode_tiled_t cu_tensor_map_encode_tiled = nullptr;
-PyObject *plain_fn, *thread_tests, *autograd_records, *strided, *hooks_fn, *recorder;
+PyObject *hooks_fn, *recorder;  // NULL until init()
 bool enabled = true;  // set_enabled(False): every call runs the impl (tests that poison memory)
 
 constexpr int MAX_PARAMS = 128;
@@ -172,6 +179,44 @@ void clear_table(Table *table) {
         Py_CLEAR(item.second.state);
     }
     table->clear();
+}
+
+/* library._plain_call's test, read from torch's thread-locals (the Python calls it stands for
+ * cost about 2 us on an H100 host): no dispatch or function mode, functorch transform, tracer
+ * or thread-local profiler on this thread. */
+bool thread_plain() {
+    return c10::impl::TorchDispatchModeTLS::stack_len() == 0 &&
+           !at::impl::torch_function_mode_enabled() &&
+           // a functorch transform: its front key is in the thread's included set while its
+           // interpreter stack is not empty (ATen/functorch/DynamicLayer.h needs a JSON header
+           // torch does not ship)
+           !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) &&
+           !torch::jit::tracer::isTracing() && !torch::profiler::impl::profilerEnabled();
+}
+
+enum class Verdict { direct, records, op };
+
+/* library._plain_call(args): direct (the impl may be called directly: the dispatcher past
+ * autograd would do nothing else, and autograd records nothing), records (a tensor requires grad
+ * and autograd records), or op (anything else: a mode, a subclass, a device other than CPU and
+ * CUDA, an argument other than a tensor, int, float, bool or None). */
+Verdict plain_call(PyObject *const *args, Py_ssize_t n) {
+    if (!thread_plain()) return Verdict::op;
+    bool requires_grad = false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject *arg = args[i];
+        if (reinterpret_cast<PyObject *>(Py_TYPE(arg)) == THPVariableClass) {  // not a Parameter
+            const at::Tensor &t = THPVariable_Unpack(arg);
+            if (!(t.is_cuda() || t.is_cpu()) || t.layout() != c10::kStrided) return Verdict::op;
+            requires_grad = requires_grad || t.requires_grad();
+        } else if (!(arg == Py_None || PyBool_Check(arg) || PyLong_CheckExact(arg) ||
+                     PyFloat_CheckExact(arg))) {
+            return Verdict::op;
+        }
+    }
+    bool records = requires_grad && c10::GradMode::is_enabled() &&
+                   !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutogradFunctionality);
+    return records ? Verdict::records : Verdict::direct;
 }
 
 /* Append tensor t's part of a signature; false when it is not on CUDA, not strided, or on
@@ -681,18 +726,10 @@ PyObject *plans_vectorcall(PyObject *callable, PyObject *const *args, size_t nar
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
     if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0)
         return PyObject_Vectorcall(self->impl, args, nargsf, kwnames);
-    if (plain_fn == NULL) return call_impl(self, args, n);
-    PyObject *tuple = PyTuple_New(n);
-    if (tuple == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    if (hooks_fn == NULL) return call_impl(self, args, n);
     // Under the dispatcher the thread-state test still decides: a mode or a tracer the impl's own
     // allocations would meet sends the call to the impl.
-    PyObject *plain_args[4] = {tuple, thread_tests, autograd_records, strided};
-    PyObject *verdict = PyObject_Vectorcall(plain_fn, plain_args, 4, NULL);
-    Py_DECREF(tuple);
-    if (verdict == NULL) return NULL;
-    bool direct = verdict != Py_None;
-    Py_DECREF(verdict);
+    bool direct = plain_call(args, n) != Verdict::op;
     return direct ? run(self, args, n) : call_impl(self, args, n);
 }
 
@@ -860,17 +897,13 @@ PyObject *plans_below_autograd(PlansObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "Plans.below_autograd(args: tuple)");
         return NULL;
     }
-    if (plain_fn == NULL) {
+    if (hooks_fn == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "native_plans: init() was not called");
         return NULL;
     }
-    PyObject *plain_args[4] = {args, thread_tests, autograd_records, strided};
-    PyObject *verdict = PyObject_Vectorcall(plain_fn, plain_args, 4, NULL);
-    if (verdict == NULL) return NULL;
-    bool direct = verdict == Py_False;
-    Py_DECREF(verdict);
     PyObject *const *items = &PyTuple_GET_ITEM(args, 0);
     Py_ssize_t n = PyTuple_GET_SIZE(args);
+    bool direct = plain_call(items, n) == Verdict::direct;
     if (direct) return run(self, items, n);
     return PyObject_Vectorcall(self->op, items, n, NULL);
 }
@@ -973,9 +1006,9 @@ PyTypeObject PlansType = {PyVarObject_HEAD_INIT(NULL, 0)};
 
 PyObject *init(PyObject *, PyObject *const *args, Py_ssize_t n) {
     PyObject *launch, *encode;
-    if (n != 7 || !PyArg_ParseTuple(args[6], "OO", &launch, &encode)) {
-        PyErr_SetString(PyExc_TypeError, "native_plans.init(plain, tests, autograd_records, "
-                                         "strided, hooks_installed, recorder, native_launch.driver())");
+    if (n != 3 || !PyArg_ParseTuple(args[2], "OO", &launch, &encode)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "native_plans.init(hooks_installed, recorder, native_launch.driver())");
         return NULL;
     }
     void *function = PyCapsule_GetPointer(launch, "cuLaunchKernel");
@@ -986,10 +1019,19 @@ PyObject *init(PyObject *, PyObject *const *args, Py_ssize_t n) {
         if (function == NULL) return NULL;
         cu_tensor_map_encode_tiled = reinterpret_cast<encode_tiled_t>(function);
     }
-    PyObject **slots[6] = {&plain_fn, &thread_tests, &autograd_records,
-                           &strided,  &hooks_fn,     &recorder};
-    for (int i = 0; i < 6; ++i) Py_XSETREF(*slots[i], Py_NewRef(args[i]));
+    Py_XSETREF(hooks_fn, Py_NewRef(args[0]));
+    Py_XSETREF(recorder, Py_NewRef(args[1]));
     Py_RETURN_NONE;
+}
+
+PyObject *plain(PyObject *, PyObject *args) {  // plain_call for tests: False, True or None
+    if (!PyTuple_Check(args)) {
+        PyErr_SetString(PyExc_TypeError, "native_plans.plain(args: tuple)");
+        return NULL;
+    }
+    Verdict verdict = plain_call(&PyTuple_GET_ITEM(args, 0), PyTuple_GET_SIZE(args));
+    if (verdict == Verdict::op) Py_RETURN_NONE;
+    return PyBool_FromLong(verdict == Verdict::records);
 }
 
 PyObject *set_enabled(PyObject *, PyObject *flag) {
@@ -1002,6 +1044,9 @@ PyObject *set_enabled(PyObject *, PyObject *flag) {
 
 PyMethodDef module_methods[] = {
     {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL, "Set the Python callables."},
+    {"plain", plain, METH_O,
+     "library._plain_call(args) as the entries ask it: False (direct), True (autograd records) "
+     "or None (the op)."},
     {"set_enabled", set_enabled, METH_O,
      "Replay and record (True) or run every impl (False); returns the previous setting."},
     {NULL, NULL, 0, NULL},

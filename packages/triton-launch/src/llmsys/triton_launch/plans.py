@@ -333,18 +333,8 @@ def native_module():
     if launch_module is None:
         return None
     try:
-        from . import library
-
         module = native.load(native.build_plans(), "native_plans")
-        module.init(
-            launch_module.plain,
-            library._THREAD_TESTS,
-            library._autograd_records,
-            torch.strided,
-            launch_module.hooks_installed,
-            record,
-            launch_module.driver(),
-        )
+        module.init(launch_module.hooks_installed, record, launch_module.driver())
         return module
     except Exception as error:  # no C++ compiler, no headers, no driver: the impls still work
         warnings.warn(
