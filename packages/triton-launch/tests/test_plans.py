@@ -236,6 +236,44 @@ def test_the_cpp_thread_state_test_agrees_with_pythons():
     assert len({state for state, _, _ in verdicts}) == 12
 
 
+def _kinds_impl(x, dims, mode, weight, scale=2.0):
+    if mode == "bad":
+        raise ValueError("kinds: `mode` must not be 'bad'")
+    return x.sum(dims) * scale, None
+
+
+_kinds_lib = torch.library.Library("llmsys_test_kernel", "DEF")
+_kinds_lib.define(
+    "kinds(Tensor x, int[] dims, str mode, Tensor? w, float s=2.0) -> (Tensor, Tensor?)"
+)
+_kinds_lib.impl("kinds", _kinds_impl, "CompositeExplicitAutograd")
+
+
+def test_a_cpp_kernel_hands_every_argument_kind_to_the_impl_and_its_errors_back():
+    # Plans.register_kernel makes an entry an op's kernel in C++ (CUDA in define_op; CPU here,
+    # where a call without a plan takes the same path: arguments to Python, the impl, results
+    # back by the schema).
+    if shutil.which("g++") is None and shutil.which("clang++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    module = native_build.load(native_build.build_plans(), "native_plans")
+    seen = []
+
+    def impl(*args):
+        seen.append(args)
+        return _kinds_impl(*args)
+
+    op = torch.ops.llmsys_test_kernel.kinds.default
+    module.Plans(impl, op).register_kernel("llmsys_test_kernel::kinds", "CPU")
+    x = torch.randn(2, 3)
+    total, none = op(x, [1], "ok", None)
+    torch.testing.assert_close(total, x.sum(1) * 2.0)
+    assert none is None
+    assert seen == [(x, [1], "ok", None, 2.0)]  # every argument, the default included
+    with pytest.raises(ValueError, match="`mode` must not be 'bad'"):
+        op(x, [0], "bad", x)
+    assert "native_plans.Plans" in torch._C._dispatch_dump("llmsys_test_kernel::kinds")
+
+
 # --- on a GPU: replay --------------------------------------------------------------------------
 
 

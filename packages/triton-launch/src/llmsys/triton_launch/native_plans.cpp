@@ -72,6 +72,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
 #include <cstring>
@@ -752,17 +753,15 @@ struct GILHeld {  // the dispatcher may call a kernel with the GIL released
 }
 
 PyObject *to_python(const c10::IValue &v) {  // a new reference, or NULL with an error set
-    if (v.isTensor()) return THPVariable_Wrap(v.toTensor());
-    if (v.isNone()) return Py_NewRef(Py_None);
-    if (v.isBool()) return PyBool_FromLong(v.toBool());
-    if (v.isInt()) return PyLong_FromLongLong(v.toInt());
-    if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
-    if (v.isString()) {
-        const std::string &text = v.toStringRef();
-        return PyUnicode_FromStringAndSize(text.data(), static_cast<Py_ssize_t>(text.size()));
+    if (v.isTensor()) return THPVariable_Wrap(v.toTensor());  // (the common case, directly)
+    try {
+        return torch::jit::toPyObject(v).release().ptr();
+    } catch (pybind11::error_already_set &error) {
+        error.restore();
+    } catch (const std::exception &error) {
+        PyErr_Format(PyExc_TypeError, "native_plans: cannot pass an argument of type %s to the "
+                                      "impl (%s)", v.tagKind().c_str(), error.what());
     }
-    PyErr_Format(PyExc_TypeError, "native_plans: cannot pass an argument of type %s to the impl",
-                 v.tagKind().c_str());
     return NULL;
 }
 
