@@ -8,6 +8,8 @@ started as plain ``python train.py`` has none of them and runs as the only rank.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 
 import torch
@@ -23,6 +25,11 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
         backend: "nccl" or "gloo"; default NCCL where this host has a GPU for every local rank,
             else gloo. With NCCL the process's CUDA device becomes ``cuda:LOCAL_RANK`` (one GPU
             per process).
+
+    A process that joins also collects Python's reference cycles at exit, while the interpreter
+    is still whole: on torch 2.13 with gloo, a cycle left to the interpreter's teardown aborted
+    about one exit in five after training ("terminate called without an active exception"),
+    with or without ``destroy_process_group``.
 
     Without torchrun's variables (a plain ``python`` run) nothing is joined and the result is
     ``(0, 1)``: the data-parallel wrappers then train as one process with no communication. A
@@ -58,6 +65,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int]:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
+    atexit.register(gc.collect)
     return dist.get_rank(), dist.get_world_size()
 
 
