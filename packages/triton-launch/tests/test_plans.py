@@ -172,14 +172,19 @@ def test_cpu_calls_stay_with_the_impl():
     assert type(library._impls[affine_op]) is plans.PythonEntry
 
 
-def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl():
-    # Built wherever torch's headers and a C++ compiler are (CI included), so a change that
-    # breaks the build fails here, not at a GPU user's first call.
+@pytest.fixture
+def cpp_module():
+    """native_plans, built (not initialized: no driver is needed) wherever torch's headers and a
+    C++ compiler are, CI included, so a change that breaks the build fails here, not at a GPU
+    user's first call."""
     if shutil.which("g++") is None and shutil.which("clang++") is None:
         pytest.skip("no C++ compiler on this machine")
-    module = native_build.load(native_build.build_plans(), "native_plans")
+    return native_build.load(native_build.build_plans(), "native_plans")
+
+
+def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl(cpp_module):
     seen = []
-    entry = module.Plans(lambda *args: seen.append(args) or "impl", affine_op)
+    entry = cpp_module.Plans(lambda *args: seen.append(args) or "impl", affine_op)
     x = torch.randn(4)
     assert entry(x, 2.0) == "impl" and seen == [(x, 2.0)]
     assert entry.states() == {"planned": 0, "pending": 0, "refused": 0}
@@ -200,15 +205,12 @@ class _Seen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_the_cpp_thread_state_test_agrees_with_pythons():
-    if shutil.which("g++") is None and shutil.which("clang++") is None:
-        pytest.skip("no C++ compiler on this machine")
-    module = native_build.load(native_build.build_plans(), "native_plans")
+def test_the_cpp_thread_state_test_agrees_with_pythons(cpp_module):
     x, w = torch.randn(4), torch.randn(4, requires_grad=True)
     verdicts = []
 
     def both(args, state):
-        verdicts.append((state, module.plain(args), _python_plain_call(args)))
+        verdicts.append((state, cpp_module.plain(args), _python_plain_call(args)))
 
     both((x, 2.0, 3, True, None), "plain")
     both((x, w), "grad wanted")
@@ -249,13 +251,10 @@ _kinds_lib.define(
 _kinds_lib.impl("kinds", _kinds_impl, "CompositeExplicitAutograd")
 
 
-def test_a_cpp_kernel_hands_every_argument_kind_to_the_impl_and_its_errors_back():
+def test_a_cpp_kernel_hands_every_argument_kind_to_the_impl_and_its_errors_back(cpp_module):
     # Plans.register_kernel makes an entry an op's kernel in C++ (CUDA in define_op; CPU here,
     # where a call without a plan takes the same path: arguments to Python, the impl, results
     # back by the schema).
-    if shutil.which("g++") is None and shutil.which("clang++") is None:
-        pytest.skip("no C++ compiler on this machine")
-    module = native_build.load(native_build.build_plans(), "native_plans")
     seen = []
 
     def impl(*args):
@@ -263,7 +262,7 @@ def test_a_cpp_kernel_hands_every_argument_kind_to_the_impl_and_its_errors_back(
         return _kinds_impl(*args)
 
     op = torch.ops.llmsys_test_kernel.kinds.default
-    module.Plans(impl, op).register_kernel("llmsys_test_kernel::kinds", "CPU")
+    cpp_module.Plans(impl, op).register_kernel("llmsys_test_kernel::kinds", "CPU")
     x = torch.randn(2, 3)
     total, none = op(x, [1], "ok", None)
     torch.testing.assert_close(total, x.sum(1) * 2.0)
