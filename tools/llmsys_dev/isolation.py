@@ -52,12 +52,32 @@ def check_isolation(dev_python: Path, package: Package) -> None:
     cuda = [line for line in listed.splitlines() if line.lower().startswith("nvidia-")]
     if cuda:
         raise SystemExit(f"{package.name}: the install command pulled CUDA wheels: {cuda}")
+    _check_shipped_files(python, package)
     if not package.example:
         raise SystemExit(f"{package.name}: pyproject.toml has no [tool.llmsys] example to run")
     example = package.path / package.example
     with tempfile.TemporaryDirectory() as cwd:  # away from the source tree
         _run([python, "-I", example], cwd=cwd, env={**env, "TRITON_INTERPRET": "1"})
     print(f"{package.name}: README install + example OK; environment:\n{listed}")
+
+
+# What every distribution must carry: the license text and the PEP 561 marker that tells type
+# checkers the package is typed.
+SHIPPED = ("LICENSE", "py.typed")
+
+
+def _check_shipped_files(python: Path, package: Package) -> None:
+    """The installed distribution holds a LICENSE file and a ``py.typed`` marker."""
+    probe = (
+        "import sys; from importlib.metadata import distribution; "
+        "print('\\n'.join(f.name for f in distribution(sys.argv[1]).files))"
+    )
+    names = subprocess.run(
+        [python, "-I", "-c", probe, package.dist], check=True, capture_output=True, text=True
+    ).stdout.split()
+    missing = [name for name in SHIPPED if name not in names]
+    if missing:
+        raise SystemExit(f"{package.name}: the installed distribution lacks {missing}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,3 +86,14 @@ def test_the_real_workspace_is_consistent():
         assert package.example and (package.path / package.example).is_file()
         assert (package.path / "README.md").is_file()
         assert (package.path / "CHANGELOG.md").is_file()
+
+
+def test_every_package_carries_the_license_and_a_typed_marker():
+    """Each distribution is built from its package folder, so each folder holds the root's
+    LICENSE (hatchling ships it under the wheel's dist-info/licenses) and a py.typed marker."""
+    license_text = (workspace.ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0" in license_text
+    for package in workspace.discover().values():
+        assert (package.path / "LICENSE").read_text() == license_text, package.name
+        module = package.path / "src" / "llmsys" / package.import_name.split(".")[1]
+        assert (module / "py.typed").is_file(), package.name
