@@ -9,8 +9,10 @@ sizes of the kernels-swiglu sweep, in float32 and bfloat16. At 7x3x5 both calls 
 microseconds of launch and host cost, and one do_bench median moves by 5-10% between runs, so
 each round times every case, the two calls side by side in an order that alternates, and the
 table reports the median over rounds of each call's time and of the per-round ratio (time /
-eager, lower is faster). Writes ``swiglu_seed_contract_<gpu>.csv`` under DIR (default:
-results/ beside this file).
+eager, lower is faster). Beside each time, ``*_kernel_us`` is the GPU time of the kernels
+alone (the CUDA profiler's kernel durations, median per call): what do_bench's time holds
+besides them is the launch and event overhead on the GPU, the same for any kernel. Writes
+``swiglu_seed_contract_<gpu>.csv`` under DIR (default: results/ beside this file).
 """
 
 from __future__ import annotations
@@ -41,6 +43,24 @@ def by_name(a, b):
     return torch.ops.llm_scaling_week.swiglu_fwd(a, b)
 
 
+def kernel_us(fn, a, b, calls: int = 20) -> float:
+    """Median over ``calls`` of the summed CUDA kernel time of one ``fn(a, b)``, in us."""
+    fn(a, b)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(calls):
+            fn(a, b)
+        torch.cuda.synchronize()
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.time_range.start)
+    per_call = len(kernels) // calls
+    totals = [
+        sum(e.device_time for e in kernels[i * per_call : (i + 1) * per_call]) for i in range(calls)
+    ]
+    return statistics.median(totals)
+
+
 def measure(rounds: int) -> list[dict]:
     times: dict[tuple, dict[str, list[float]]] = {}
     for round_index in range(rounds):
@@ -55,6 +75,7 @@ def measure(rounds: int) -> list[dict]:
                     case[name].append(triton.testing.do_bench(lambda fn=fn: fn(a, b)))
     rows = []
     for (shape, dtype), case in times.items():
+        a, b = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
         ratios = [ours / base for ours, base in zip(case["by name"], case["eager"], strict=True)]
         rows.append(
             {
@@ -62,6 +83,8 @@ def measure(rounds: int) -> list[dict]:
                 "dtype": str(dtype).removeprefix("torch."),
                 "by_name_us": round(statistics.median(case["by name"]) * 1e3, 2),
                 "eager_us": round(statistics.median(case["eager"]) * 1e3, 2),
+                "by_name_kernel_us": round(kernel_us(by_name, a, b), 2),
+                "eager_kernel_us": round(kernel_us(eager, a, b), 2),
                 "ratio": round(statistics.median(ratios), 3),
                 "worst_round_ratio": round(max(ratios), 3),
                 "target_ratio": TARGET,
@@ -88,11 +111,15 @@ def main() -> None:
     }
     rows = [{**row, **stamp} for row in rows]
     print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}")
-    print("shape         dtype     by name us  eager us  time / eager (median, worst round)")
+    print(
+        "shape         dtype     by name us  eager us  time / eager (median, worst round)"
+        "  kernels alone: by name us, eager us"
+    )
     for row in rows:
         print(
             f"{row['shape']:<13} {row['dtype']:<9} {row['by_name_us']:>10} {row['eager_us']:>9}"
             f"  {row['ratio']:.3f} ({row['worst_round_ratio']:.3f})"
+            f"{row['by_name_kernel_us']:>28} {row['eager_kernel_us']:>9}"
         )
     args.out.mkdir(parents=True, exist_ok=True)
     short = "h200" if "H200" in gpu else "h100" if "H100" in gpu else gpu.split()[-1].lower()
