@@ -2,6 +2,7 @@
 and a call the recorder cannot vouch for goes to the impl."""
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,6 +147,24 @@ def test_pointers_map_to_one_argument_or_allocation():
         _source(x.data_ptr() + 10_000_000, sources)
 
 
+def test_the_kinds_of_a_compiled_signature():
+    meta = SimpleNamespace(num_ctas=1, launch_cooperative_grid=False, launch_pdl=False)
+    meta.__dict__.update(global_scratch_size=0, profile_scratch_size=0, shared=1024)
+    meta.tensordesc_meta = None
+    compiled = SimpleNamespace(metadata=meta, src=SimpleNamespace())
+    compiled.src.signature = {"x": "*fp32", "n": "i32", "m": "i64", "f": "fp32", "B": "constexpr"}
+    assert plans._kinds(compiled) == "pilf-"
+    compiled.src.signature = {"x": "*fp32", "d": "tensordesc<fp16[64, 64]>"}
+    assert plans._kinds(compiled) is None  # passed as pointers: Triton's launcher builds it
+    meta.tensordesc_meta = [{}]
+    assert plans._kinds(compiled) == "pT"  # lowered to TMA: a plan encodes its tensor map
+    compiled.src.signature = {"x": "*fp32", "h": "fp16"}
+    assert plans._kinds(compiled) is None
+    compiled.src.signature = {"x": "*fp32"}
+    meta.global_scratch_size = 128
+    assert plans._kinds(compiled) is None
+
+
 def test_results_map_to_allocations():
     out = torch.empty(2, 3)
     assert _result(out, [out]) == (1, ((0,),))
@@ -184,7 +203,7 @@ def cpp_module():
     user's first call."""
     if shutil.which("g++") is None and shutil.which("clang++") is None:
         pytest.skip("no C++ compiler on this machine")
-    return native_build.load(native_build.build_plans(), "native_plans")
+    return native_build.load(native_build.build())
 
 
 def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl(cpp_module):
@@ -200,14 +219,6 @@ def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl(cpp_module):
         entry.install((x, 2.0), ((), (), (0, ())))
 
 
-def _python_plain_call(args: tuple):
-    """library._plain_call's pure-Python path: the reference for native_plans.plain."""
-    if not library._thread_state_plain():
-        return None
-    requires_grad = library._plain_arguments(args)
-    return None if requires_grad is None else requires_grad and library._autograd_records()
-
-
 class _Seen(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -218,7 +229,7 @@ def test_the_cpp_thread_state_test_agrees_with_pythons(cpp_module):
     verdicts = []
 
     def both(args, state):
-        verdicts.append((state, cpp_module.plain(args), _python_plain_call(args)))
+        verdicts.append((state, cpp_module.plain(args), library._plain_call(args)))
 
     both((x, 2.0, 3, True, None), "plain")
     both((x, w), "grad wanted")
@@ -510,3 +521,21 @@ def test_assert_replays_passes_ops_that_replay_and_names_why_one_does_not(native
             assert_replays(lambda: call_below_autograd(affine_op, x, 2.0))
     finally:
         hooks.remove(print)
+
+
+@pytest.mark.gpu
+def test_the_engine_off_gives_the_bits_of_a_replay(native):
+    # One op per kind of plan step: a copy of a strided argument and a scalar that does not
+    # round away (affine), two launches into views with a None (two), a TMA tensor map (tiles).
+    base = torch.randn(3 * 4096, device="cuda")
+    cases = [(affine_op, (base[::3], 0.3)), (two_op, (base[:900].view(3, 300), base[:900]))]
+    if TensorDescriptor is not None and torch.cuda.get_device_capability()[0] >= 9:
+        cases.append((tiles_op, (base[: 64 * 96].view(64, 96),)))
+    for op, args in cases:
+        assert_replays(lambda op=op, args=args: call_below_autograd(op, *args), op)
+        replayed = call_below_autograd(op, *args)
+        with disabled():
+            off = call_below_autograd(op, *args)
+        for r, o in zip(*(x if type(x) is tuple else (x,) for x in (replayed, off)), strict=True):
+            same_bits = r is o is None or torch.equal(r.view(torch.int32), o.view(torch.int32))
+            assert same_bits, op

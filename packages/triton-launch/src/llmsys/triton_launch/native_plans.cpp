@@ -16,9 +16,10 @@
  *   capture is put off to a later call (a tuner does not tune there).
  * A full table (256 signatures) drops its signatures without a plan, then, if still full, all.
  *
- *   init(hooks_installed, recorder, driver)
- *       once: native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or why
- *       not), and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
+ *   init(recorder, runtime_knobs)
+ *       once: plans.py's recorder(impl, args) -> (result, plan or why not), and
+ *       triton.knobs.runtime (whose launch_enter_hook is read before each replay); loads the
+ *       driver (libcuda.so.1: cuLaunchKernel, cuTensorMapEncodeTiled), so it raises without one
  *   plain(args) -> library._plain_call(args) as the entries ask it, from torch's thread-locals
  *       (False: the impl directly; True: autograd records; None: the op)
  *   set_enabled(flag) -> the previous setting: False runs every call's impl (tests that poison
@@ -31,7 +32,7 @@
  *           ("CUDA"): a call with a plan replays from the dispatcher's arguments without
  *           Python; anything else is plans(*args) with those arguments as Python objects
  *       plans.below_autograd(args): library.call_below_autograd: the impl's result (replayed
- *           where it can be) when native_launch.plain says autograd records nothing and the
+ *           where it can be) when plain(args) says autograd records nothing and the
  *           dispatcher would only call the impl; else op(*args)
  *       plans.install(args, plan): install a plan for args' signature (tests)
  *       plans.report(): {'planned', 'pending', 'refused': signatures in each state, 'calls',
@@ -44,15 +45,15 @@
  *   launches: ((function, (grid_x, grid_y, grid_z), threads, shared_bytes, params), ...), in
  *       order, where a step (index,) is a contiguous copy of argument `index` (an impl's
  *       `.contiguous()` of a strided argument),
- *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds as
- *       native_launch.c's ('p' pointer, 'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8,
+ *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds:
+ *       ('p' pointer, 'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8,
  *       'f' float32, 'd' float64, 't' a host tensor descriptor's tensor map, passed by value);
  *       source 0: the constant value; 1: the data pointer of argument `index` plus `value`
  *       bytes; 2: the same of allocation `index`; 3: of copy `index`. A 't' parameter is
  *       (kind, source, index, offset, (dtype, swizzle, fill, dims, byte strides, box)): the
  *       tensor map is encoded at each replay for the new address, as Triton's launcher encodes
  *       it (innermost dimension first). Triton's two scratch
- *       pointers (NULL) are appended, as native_launch.c does.
+ *       pointers (NULL) are appended, as Triton's launcher does.
  *   result: (0, ()) None; (1, (output,)) one tensor; (2, (output, ...)) a tuple, where an output
  *       is (allocation,) or (allocation, sizes, strides, storage_offset) for a view of it.
  *
@@ -77,11 +78,11 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
+#include <dlfcn.h>
+
 #include <cstring>
 #include <memory>
 #include <string>
-
-#include "native_slot.h"
 #include <unordered_map>
 #include <vector>
 
@@ -97,8 +98,19 @@ typedef int (*encode_tiled_t)(void *map, int dtype, unsigned rank, void *address
                               int l2_promotion, int oob_fill);
 
 launch_kernel_t cu_launch_kernel = nullptr;
-encode_tiled_t cu_tensor_map_encode_tiled = nullptr;
-PyObject *hooks_fn, *recorder;  // NULL until init()
+encode_tiled_t cu_tensor_map_encode_tiled = nullptr;  // NULL before CUDA 12
+PyObject *recorder, *runtime_knobs;  // NULL until init()
+PyObject *enter_hook_name, *calls_name;
+
+union Slot {  // one kernel parameter's bytes, as cuLaunchKernel reads them (a pointer to each)
+    uint64_t u64;
+    int64_t i64;
+    uint32_t u32;
+    int32_t i32;
+    int8_t i8;
+    float f32;
+    double f64;
+};
 bool enabled = true;  // set_enabled(False): every call runs the impl (tests that poison memory)
 
 constexpr int MAX_PARAMS = 128;
@@ -591,15 +603,22 @@ void make_room(Table *table) {
     if (table->size() >= MAX_SIGNATURES) clear_table(table);
 }
 
-/* Whether a plan may replay now: replay on, and no Triton launch hooks (a profiler must see
- * every launch: the impl, before anything that could run Python while a plan is in use); -1
- * with an error set. */
+/* Whether a plan may replay now: replay on, and no Triton launch hooks installed (a profiler
+ * must see every launch: the impl); -1 with an error set. The hooks are
+ * triton.knobs.runtime.launch_enter_hook: a HookChain, whose list `calls` is empty by default
+ * (an older Triton: the hook itself, or None). */
 int replays_now() {
     if (!enabled) return 0;
-    PyObject *hooked = PyObject_CallNoArgs(hooks_fn);
-    if (hooked == NULL) return -1;
-    int installed = PyObject_IsTrue(hooked);
-    Py_DECREF(hooked);
+    PyObject *hook = PyObject_GetAttr(runtime_knobs, enter_hook_name);
+    if (hook == NULL) return -1;
+    PyObject *calls = PyObject_GetAttr(hook, calls_name);
+    if (calls == NULL) {
+        PyErr_Clear();
+        calls = Py_NewRef(hook);
+    }
+    int installed = PyObject_IsTrue(calls);
+    Py_DECREF(calls);
+    Py_DECREF(hook);
     return installed < 0 ? -1 : !installed;
 }
 
@@ -718,7 +737,7 @@ PyObject *plans_vectorcall(PyObject *callable, PyObject *const *args, size_t nar
         *self->why_not = "keyword arguments";
         return PyObject_Vectorcall(self->impl, args, nargsf, kwnames);
     }
-    if (hooks_fn == NULL) return call_impl(self, args, n, "native_plans.init() was not called");
+    if (recorder == NULL) return call_impl(self, args, n, "native_plans.init() was not called");
     // Under the dispatcher the thread-state test still decides: a mode or a tracer the impl's own
     // allocations would meet sends the call to the impl.
     bool direct = plain_call(args, n) != Verdict::op;
@@ -890,7 +909,7 @@ PyObject *plans_below_autograd(PlansObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "Plans.below_autograd(args: tuple)");
         return NULL;
     }
-    if (hooks_fn == NULL) {
+    if (recorder == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "native_plans: init() was not called");
         return NULL;
     }
@@ -998,22 +1017,27 @@ PyMemberDef plans_members[] = {
 PyTypeObject PlansType = {PyVarObject_HEAD_INIT(NULL, 0)};
 
 PyObject *init(PyObject *, PyObject *const *args, Py_ssize_t n) {
-    PyObject *launch, *encode;
-    if (n != 3 || !PyArg_ParseTuple(args[2], "OO", &launch, &encode)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "native_plans.init(hooks_installed, recorder, native_launch.driver())");
+    if (n != 2) {
+        PyErr_SetString(PyExc_TypeError, "native_plans.init(recorder, runtime_knobs)");
         return NULL;
     }
-    void *function = PyCapsule_GetPointer(launch, "cuLaunchKernel");
-    if (function == NULL) return NULL;
-    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(function);
-    if (encode != Py_None) {
-        function = PyCapsule_GetPointer(encode, "cuTensorMapEncodeTiled");
-        if (function == NULL) return NULL;
-        cu_tensor_map_encode_tiled = reinterpret_cast<encode_tiled_t>(function);
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  // (kept open for good)
+    if (driver == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "native_plans: cannot open libcuda.so.1: %s", dlerror());
+        return NULL;
     }
-    Py_XSETREF(hooks_fn, Py_NewRef(args[0]));
-    Py_XSETREF(recorder, Py_NewRef(args[1]));
+    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(dlsym(driver, "cuLaunchKernel"));
+    cu_tensor_map_encode_tiled =
+        reinterpret_cast<encode_tiled_t>(dlsym(driver, "cuTensorMapEncodeTiled"));
+    if (cu_launch_kernel == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "native_plans: libcuda has no cuLaunchKernel");
+        return NULL;
+    }
+    enter_hook_name = PyUnicode_InternFromString("launch_enter_hook");
+    calls_name = PyUnicode_InternFromString("calls");
+    if (enter_hook_name == NULL || calls_name == NULL) return NULL;
+    Py_XSETREF(recorder, Py_NewRef(args[0]));
+    Py_XSETREF(runtime_knobs, Py_NewRef(args[1]));
     Py_RETURN_NONE;
 }
 
