@@ -588,7 +588,6 @@ PyObject *call_impl(PlansObject *self, PyObject *const *args, Py_ssize_t n, cons
     return PyObject_Vectorcall(self->impl, args, n, NULL);
 }
 
-/* The impl's result for args, replayed or recorded where the signature allows. */
 /* Make room for a new signature in a full table: drop the signatures without a plan, and if every
  * one has a plan, all of them (a workload whose shapes keep changing keeps getting plans). */
 void make_room(Table *table) {
@@ -684,7 +683,9 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
         return result;
     }
     if (PyUnicode_Check(data) || e.refused) {
-        if (!e.refused) e.why = std::string("refused: ") + PyUnicode_AsUTF8(data);
+        const char *why = e.refused ? NULL : PyUnicode_AsUTF8(data);
+        if (why != NULL) e.why = std::string("refused: ") + why;
+        PyErr_Clear();
         e.refused = true;
         Py_CLEAR(e.first);
         Py_DECREF(data);
