@@ -24,6 +24,8 @@
  *       (False: the impl directly; True: autograd records; None: the op)
  *   set_enabled(flag) -> the previous setting: False runs every call's impl (tests that poison
  *       fresh memory); signatures are kept
+ *   register_autograd(name, key): a kernel for "AutogradCUDA" in front of the op's
+ *       register_autograd kernel, for the calls autograd does not record (see there)
  *   Plans(impl, op, replays=False)
  *       replays: define_op's declaration that the op is expected to replay (plans.replays)
  *       plans(*args): the impl's result, replayed where a plan exists (the op's Python kernel:
@@ -45,15 +47,14 @@
  *   launches: ((function, (grid_x, grid_y, grid_z), threads, shared_bytes, params), ...), in
  *       order, where a step (index,) is a contiguous copy of argument `index` (an impl's
  *       `.contiguous()` of a strided argument),
- *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds:
- *       ('p' pointer, 'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8,
- *       'f' float32, 'd' float64, 't' a host tensor descriptor's tensor map, passed by value);
+ *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds 'p' pointer,
+ *       'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8, 'f' float32, 'd' float64, 't' a
+ *       host tensor descriptor's tensor map, passed by value;
  *       source 0: the constant value; 1: the data pointer of argument `index` plus `value`
  *       bytes; 2: the same of allocation `index`; 3: of copy `index`. A 't' parameter is
  *       (kind, source, index, offset, (dtype, swizzle, fill, dims, byte strides, box)): the
  *       tensor map is encoded at each replay for the new address, as Triton's launcher encodes
- *       it (innermost dimension first). Triton's two scratch
- *       pointers (NULL) are appended, as Triton's launcher does.
+ *       it (innermost dimension first). Triton's two scratch pointers (NULL) are appended.
  *   result: (0, ()) None; (1, (output,)) one tensor; (2, (output, ...)) a tuple, where an output
  *       is (allocation,) or (allocation, sizes, strides, storage_offset) for a view of it.
  *
