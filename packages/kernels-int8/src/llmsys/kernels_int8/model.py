@@ -35,9 +35,9 @@ from types import MethodType
 import torch
 from torch import nn
 
-from llmsys.kernels_fused import rms_norm_quantize_int8
 from llmsys.kernels_fused.hf import attention_forward
 from llmsys.kernels_fused.hf import fits as fused_attention_fits
+from llmsys.kernels_int8.rms_norm_quantize import rms_norm_quantize_int8
 
 from . import ops
 from .functional import quantize_int8_perrow
