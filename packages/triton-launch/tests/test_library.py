@@ -11,8 +11,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmsys.triton_launch import call_below_autograd, define_op, library, wants_grad
-from llmsys.triton_launch.library import _direct_call_ok
-from llmsys.triton_launch.plans import PythonEntry
+from llmsys.triton_launch.library import PythonEntry, _direct_call_ok
 
 impl_calls = []
 
@@ -93,7 +92,7 @@ def direct_calls(monkeypatch):
         calls.append((sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name))
         return _double(x)
 
-    monkeypatch.setitem(library._impls, double_op, PythonEntry(recording, double_op, None))
+    monkeypatch.setitem(library._impls, double_op, PythonEntry(recording, double_op))
     return calls
 
 

@@ -493,7 +493,6 @@ flash_attn2_fwd = define_op(
     "flash_attn2_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
     flash_attn2_fwd_impl,
     _fwd_fake,
-    state=_switches,
 )
 flash_attn2_bwd = define_op(
     _lib,
@@ -501,5 +500,4 @@ flash_attn2_bwd = define_op(
     "bool causal, float scale) -> (Tensor, Tensor, Tensor)",
     flash_attn2_bwd_impl,
     _bwd_fake,
-    state=_switches,
 )

@@ -32,11 +32,11 @@ from types import MethodType
 import torch
 from torch import nn
 
-from llmsys.kernels_fused import rms_norm_quantize_int8
 from llmsys.kernels_int8 import (
     Int8Linear,
     quantize_int8_perrow,
     quantize_linears,
+    rms_norm_quantize_int8,
     silu_mul_quantize_int8,
 )
 from llmsys.kernels_int8.ops import FLOAT_DTYPES, inference_only_error

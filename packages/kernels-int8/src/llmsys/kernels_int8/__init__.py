@@ -5,8 +5,8 @@ decoder layers fused on these kernels, lives in ``llmsys.hf`` (package llmsys-hf
 importable from here too, loaded when first asked for.
 
 Importing this package registers ``torch.ops.llmsys.int8_quantize_perrow``,
-``torch.ops.llmsys.int8_matmul``, ``torch.ops.llmsys.int8_matmul_out`` and
-``torch.ops.llmsys.int8_silu_mul_quantize``.
+``torch.ops.llmsys.int8_matmul``, ``torch.ops.llmsys.int8_matmul_out``,
+``torch.ops.llmsys.int8_silu_mul_quantize`` and ``torch.ops.llmsys.int8_rms_norm_quantize``.
 """
 
 from .functional import matmul_int8, matmul_quantize_int8, quantize_int8, quantize_int8_perrow
@@ -17,9 +17,11 @@ from .reference import (
     matmul_quantize_int8_reference,
     quantize_int8_perrow_reference,
     quantize_int8_reference,
+    rms_norm_quantize_int8_reference,
     silu_mul_quantize_int8_reference,
     w8a8_reference_model,
 )
+from .rms_norm_quantize import rms_norm_quantize_int8, rms_norm_quantize_int8_kernel
 from .silu_mul_quantize import silu_mul_quantize_int8, silu_mul_quantize_int8_kernel
 
 __version__ = "0.1.0"
@@ -38,6 +40,9 @@ __all__ = [
     "quantize_int8_perrow_reference",
     "quantize_int8_reference",
     "quantize_linears",
+    "rms_norm_quantize_int8",
+    "rms_norm_quantize_int8_kernel",
+    "rms_norm_quantize_int8_reference",
     "silu_mul_quantize_int8",
     "silu_mul_quantize_int8_kernel",
     "silu_mul_quantize_int8_reference",

@@ -16,10 +16,11 @@ dispatch and function modes (fake tensors), functorch transforms, ``torch.jit.tr
 profiler (which then shows the op by name), and for tensor subclasses or devices other than CPU
 and CUDA (``_direct_call_ok``).
 
-Each op's calls go through its entry (``_impls``): the impl, or after the op's first CUDA call a
-``native_plans.Plans`` that replays a recorded plan of the impl where it has one (plans.py). That
-entry is then also the op's CUDA kernel, registered in C++, so a call by name that the
-dispatcher hands to CUDA replays without a trip into Python.
+Each op's calls go through its entry (``_impls``): a ``PythonEntry`` (the impl), or after the
+op's first CUDA call a ``native_plans.Plans`` that replays a recorded plan of the impl where it
+has one (plans.py records it). That entry is then also the op's CUDA kernel, registered in C++,
+so a call by name that the dispatcher hands to CUDA replays without a trip into Python.
+``forget`` and ``disabled`` are the switches a test or a benchmark needs around it.
 
 Why not ``torch.library.custom_op`` or ``triton_op``: each adds a layer of Python around every
 eager call; measured in DECISIONS.md.
@@ -27,7 +28,11 @@ eager call; measured in DECISIONS.md.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
+from functools import cache
 
 import torch
 
@@ -39,21 +44,24 @@ from . import native, plans
 # the middle of the call that triggers the swap.
 KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
 
-# op (OpOverload) -> its entry: its impl, called as plans.PythonEntry or native_plans.Plans
+# op (OpOverload) -> its entry: a PythonEntry, or a native_plans.Plans after its first CUDA call
 _impls: dict = {}
 # Arguments other than tensors that cannot intercept a call (an FX Proxy, say, would).
 _PLAIN_TYPES = frozenset((int, float, bool, type(None)))
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 
 
-def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Callable, state=None):
+def define_op(
+    lib: torch.library.Library, schema: str, impl: Callable, fake: Callable, *, replays=False
+):
     """Define ``lib.ns::schema``, implement it with ``impl`` on CPU and CUDA, and register
     ``fake`` for tracing; returns the op's default overload.
 
-    ``state``: None, or a zero-argument callable returning a hashable value of everything the
-    impl reads besides its arguments that may change while a process runs (module switches, a
-    launch-configuration function a benchmark swaps): recorded plans (plans.py) are kept per
-    value, so a changed switch is never replayed with the old one's kernels."""
+    ``replays``: the op is expected to replay a recorded plan at a typical shape (its impl only
+    checks, allocates, views, copies an argument to a contiguous tensor and launches);
+    ``testing.assert_replays`` holds it to that. An impl that reads anything besides its
+    arguments that may change while a process runs (a module switch a benchmark swaps) needs
+    ``forget(op)`` from whoever changes it: a plan replays what the impl did when recorded."""
     name = schema.split("(", 1)[0]
     lib.define(schema)
     op = getattr(getattr(torch.ops, lib.ns), name).default
@@ -64,20 +72,93 @@ def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Cal
     for key in KERNEL_KEYS:
         lib.impl(name, kernel, key)
     torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
-    _impls[op] = plans.PythonEntry(impl, op, _native_entry, state)
+    _impls[op] = PythonEntry(impl, op, replays)
     return op
 
 
-def _native_entry(entry: plans.PythonEntry):
-    """Replace ``entry`` by a ``native_plans.Plans`` of the same impl, where it can be built, and
-    register that as the op's CUDA kernel."""
-    module = plans.native_module()
-    if module is None:
+class PythonEntry:
+    """An op's impl called from Python: ``entry(*args)`` is ``impl(*args)``;
+    ``entry.below_autograd(args)`` is ``call_below_autograd``'s choice between the impl and the
+    op. ``native_plans.Plans`` has the same two calls, with replay; an entry becomes one at its
+    first call with a CUDA tensor, where the C++ module can be had."""
+
+    __slots__ = ("impl", "op", "replays", "upgradable")
+
+    def __init__(self, impl, op, replays: bool = False) -> None:
+        self.impl, self.op, self.replays, self.upgradable = impl, op, replays, True
+
+    def __call__(self, *args):
+        if self.upgradable and (upgraded := self._upgraded(args)) is not None:
+            return upgraded(*args)
+        return self.impl(*args)
+
+    def below_autograd(self, args: tuple):
+        if self.upgradable and (upgraded := self._upgraded(args)) is not None:
+            return upgraded.below_autograd(args)
+        if _plain_call(args) is False:
+            return self.impl(*args)
+        return self.op(*args)
+
+    def _upgraded(self, args: tuple):
+        """The native entry that replaces this one (registered as the op's CUDA kernel), at the
+        first call with a CUDA tensor; None where the C++ module cannot be had."""
+        if not any(type(a) is torch.Tensor and a.is_cuda for a in args):
+            return None
+        self.upgradable = False
+        module = native_module()
+        if module is None:
+            return None
+        entry = module.Plans(self.impl, self.op, self.replays)
+        entry.register_kernel(self.op._schema.name, "CUDA")
+        _impls[self.op] = entry
+        return entry
+
+
+@cache
+def native_module():
+    """The compiled ``native_plans`` module, initialized, or None (with one warning saying why)."""
+    if os.environ.get("LLMSYS_NATIVE_PLANS", "1") == "0":
         return None
-    native_entry = module.Plans(entry.impl, entry.op, entry.state)
-    native_entry.register_kernel(entry.op._schema.name, "CUDA")
-    _impls[entry.op] = native_entry
-    return native_entry
+    launch_module = native.get()
+    if launch_module is None:
+        return None
+    try:
+        module = native.load(native.build_plans(), "native_plans")
+        module.init(launch_module.hooks_installed, plans.record, launch_module.driver())
+        return module
+    except Exception as error:  # no C++ compiler, no headers, no driver: the impls still work
+        warnings.warn(
+            f"llmsys.triton_launch: recorded plans are unavailable ({error}); ops run their "
+            "Python impl on every call (about 8 us more per call)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+
+
+def forget(*ops) -> None:
+    """Forget the recorded plans of ``ops`` (every op when none is named): their next calls
+    record again. Call it right after changing what an impl reads besides its arguments (a
+    module switch, a patched helper, a tuner's cache), and again after restoring it."""
+    for op in ops or tuple(_impls):
+        entry = _impls.get(op)
+        if entry is None:
+            raise ValueError(f"forget: `ops` must be ops made by define_op, got {op}")
+        if type(entry) is not PythonEntry:
+            entry.clear()
+
+
+@contextmanager
+def disabled():
+    """Within this block every op runs its Python impl (nothing is replayed or recorded); for
+    tests that watch what an impl allocates, such as the poisoned-allocation fixture."""
+    module = native_module() if torch.cuda.is_available() else None  # (CPU calls never replay)
+    before = module.set_enabled(False) if module else None
+    try:
+        yield
+    finally:
+        if module:
+            module.set_enabled(before)
 
 
 # The thread-state tests of _direct_call_ok, bound once: an attribute chain per test per call was

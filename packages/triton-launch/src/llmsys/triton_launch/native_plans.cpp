@@ -17,15 +17,14 @@
  * A full table (256 signatures) drops its signatures without a plan, then, if still full, all.
  *
  *   init(hooks_installed, recorder, driver)
- *       once: native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or
- *       None), and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
+ *       once: native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or why
+ *       not), and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
  *   plain(args) -> library._plain_call(args) as the entries ask it, from torch's thread-locals
  *       (False: the impl directly; True: autograd records; None: the op)
  *   set_enabled(flag) -> the previous setting: False runs every call's impl (tests that poison
  *       fresh memory); signatures are kept
- *   Plans(impl, op, state=None)
- *       state: a zero-argument callable whose value (hashable, compared by equality) joins the
- *           signature: module switches the impl reads (a kernel choice, a launch configuration)
+ *   Plans(impl, op, replays=False)
+ *       replays: define_op's declaration that the op is expected to replay (plans.replays)
  *       plans(*args): the impl's result, replayed where a plan exists (the op's Python kernel:
  *           the dispatcher has done its work)
  *       plans.register_kernel(name, key): make this entry the op's kernel for a dispatch key
@@ -35,7 +34,9 @@
  *           where it can be) when native_launch.plain says autograd records nothing and the
  *           dispatcher would only call the impl; else op(*args)
  *       plans.install(args, plan): install a plan for args' signature (tests)
- *       plans.states(): {'planned': n, 'pending': n, 'refused': n}
+ *       plans.report(): {'planned', 'pending', 'refused': signatures in each state, 'calls',
+ *           'replayed': calls so far and how many replayed, 'why_not': why the last call that
+ *           was not replayed was not}
  *       plans.clear()
  *
  * A plan (plans.py builds it) is (allocations, launches, result):
@@ -59,6 +60,7 @@
  * goes to the impl. Kernels launch on the current stream, as the impl's would.
  */
 #include <Python.h>
+#include <structmember.h>
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -77,6 +79,7 @@
 
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "native_slot.h"
 #include <unordered_map>
@@ -157,8 +160,8 @@ struct Plan {
 struct Entry {
     int calls = 0;           // calls seen before the plan
     bool refused = false;    // a failed or unstable recording: the impl from now on
+    std::string why;         // (refused) why, in words
     PyObject *first = NULL;  // the first recording (a new reference)
-    PyObject *state = NULL;  // the op's state when the signature was first seen (a reference)
     std::unique_ptr<Plan> plan;
 };
 
@@ -175,10 +178,7 @@ struct SignatureHash {
 typedef std::unordered_map<Signature, Entry, SignatureHash> Table;
 
 void clear_table(Table *table) {
-    for (auto &item : *table) {
-        Py_CLEAR(item.second.first);
-        Py_CLEAR(item.second.state);
-    }
+    for (auto &item : *table) Py_CLEAR(item.second.first);
     table->clear();
 }
 
@@ -562,11 +562,16 @@ struct PlansObject {
     vectorcallfunc vectorcall;
     PyObject *impl;
     PyObject *op;
-    PyObject *state;  // a zero-argument callable, or None
+    char replays;  // define_op(replays=True): expected to replay (testing.assert_replays)
     Table *table;
+    long calls, replayed;  // since creation, for report()
+    std::string *why_not;  // why the last call that was not replayed was not
 };
 
-PyObject *call_impl(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
+/* The impl's result for a call that is not replayed, and why not. */
+PyObject *call_impl(PlansObject *self, PyObject *const *args, Py_ssize_t n, const char *why) {
+    ++self->calls;
+    *self->why_not = why;
     return PyObject_Vectorcall(self->impl, args, n, NULL);
 }
 
@@ -581,25 +586,9 @@ void make_room(Table *table) {
             continue;
         }
         Py_CLEAR(it->second.first);
-        Py_CLEAR(it->second.state);
         it = table->erase(it);
     }
     if (table->size() >= MAX_SIGNATURES) clear_table(table);
-}
-
-/* The value of the op's state callable, its hash appended to sig (a new reference), or NULL with
- * an error set. */
-PyObject *append_state(PlansObject *self, Signature &sig) {
-    PyObject *state =
-        self->state == Py_None ? Py_NewRef(Py_None) : PyObject_CallNoArgs(self->state);
-    if (state == NULL) return NULL;
-    Py_hash_t hash = PyObject_Hash(state);
-    if (hash == -1) {
-        Py_DECREF(state);
-        return NULL;
-    }
-    sig.push_back(static_cast<int64_t>(hash));
-    return state;
 }
 
 /* Whether a plan may replay now: replay on, and no Triton launch hooks (a profiler must see
@@ -614,44 +603,41 @@ int replays_now() {
     return installed < 0 ? -1 : !installed;
 }
 
-/* The entry of sig, the op's state appended to it (created where `create`), or NULL: none, or
- * one whose state differs (a hash collision), or an error (set). */
-Entry *find_entry(PlansObject *self, Signature &sig, bool create) {
-    PyObject *state = append_state(self, sig);  // module switches the impl reads
-    if (state == NULL) return NULL;
+/* The entry of sig (created where `create`), or NULL: none. */
+Entry *find_entry(PlansObject *self, const Signature &sig, bool create) {
     auto found = self->table->find(sig);
-    if (found == self->table->end()) {
-        if (!create) {
-            Py_DECREF(state);
-            return NULL;
-        }
-        make_room(self->table);
-        found = self->table->emplace(sig, Entry()).first;  // (a copy: run() keeps sig)
-        found->second.state = Py_NewRef(state);
-    }
-    int same_state = PyObject_RichCompareBool(found->second.state, state, Py_EQ);
-    Py_DECREF(state);
-    return same_state > 0 ? &found->second : NULL;
+    if (found != self->table->end()) return &found->second;
+    if (!create) return NULL;
+    make_room(self->table);
+    return &self->table->emplace(sig, Entry()).first->second;  // (a copy: run() keeps sig)
 }
 
 /* The impl's result for args, replayed or recorded where the signature allows. */
 PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     Signature sig;
     int device;
-    if (!enabled || !signature(args, n, sig, device)) return call_impl(self, args, n);
+    if (!enabled) return call_impl(self, args, n, "replay is off (disabled())");
+    if (!signature(args, n, sig, device))
+        return call_impl(self, args, n, "its arguments: a tensor off CUDA or not strided, "
+                                        "two devices, or an argument of another type");
     int now = replays_now();
-    if (now <= 0) return now < 0 ? NULL : call_impl(self, args, n);
-    Entry *found = find_entry(self, sig, true);
-    if (found == NULL) return PyErr_Occurred() ? NULL : call_impl(self, args, n);
-    Entry &entry = *found;
+    if (now <= 0)
+        return now < 0 ? NULL : call_impl(self, args, n, "Triton's launch hooks are installed");
+    Entry &entry = *find_entry(self, sig, true);
     if (entry.plan) {
         PyObject *result = replay_python(*entry.plan, args, device);
-        if (result != NULL || PyErr_Occurred()) return result;
-        return call_impl(self, args, n);
+        if (result == NULL && !PyErr_Occurred())
+            return call_impl(self, args, n, "its tensors are not on the current device");
+        self->replayed += result != NULL;
+        self->calls += result != NULL;
+        return result;
     }
-    if (entry.refused || entry.calls++ == 0) return call_impl(self, args, n);
+    if (entry.refused) return call_impl(self, args, n, entry.why.c_str());
+    if (entry.calls++ == 0) return call_impl(self, args, n, "the first call of its signature");
 
     // Calls 2 and 3: record. (The table may change while the impl runs: look the entry up again.)
+    ++self->calls;
+    *self->why_not = "a call recorded";
     PyObject *tuple = PyTuple_New(n);
     if (tuple == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
@@ -677,7 +663,8 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
         Py_DECREF(data);
         return result;
     }
-    if (data == Py_None || e.refused) {
+    if (PyUnicode_Check(data) || e.refused) {
+        if (!e.refused) e.why = std::string("refused: ") + PyUnicode_AsUTF8(data);
         e.refused = true;
         Py_CLEAR(e.first);
         Py_DECREF(data);
@@ -718,6 +705,7 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
         return NULL;
     }
     e.refused = !same;
+    if (!same) e.why = "refused: its two recordings differ";
     return result;
 }
 
@@ -725,13 +713,17 @@ PyObject *plans_vectorcall(PyObject *callable, PyObject *const *args, size_t nar
                            PyObject *kwnames) {
     PlansObject *self = reinterpret_cast<PlansObject *>(callable);
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0)
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+        ++self->calls;
+        *self->why_not = "keyword arguments";
         return PyObject_Vectorcall(self->impl, args, nargsf, kwnames);
-    if (hooks_fn == NULL) return call_impl(self, args, n);
+    }
+    if (hooks_fn == NULL) return call_impl(self, args, n, "native_plans.init() was not called");
     // Under the dispatcher the thread-state test still decides: a mode or a tracer the impl's own
     // allocations would meet sends the call to the impl.
     bool direct = plain_call(args, n) != Verdict::op;
-    return direct ? run(self, args, n) : call_impl(self, args, n);
+    return direct ? run(self, args, n)
+                  : call_impl(self, args, n, "a mode, tracer, transform or profiler is on");
 }
 
 // --- the op's registered CUDA kernel --------------------------------------------------------
@@ -851,7 +843,6 @@ class PlansKernel final : public c10::OperatorKernel {
             return false;
         }
         Entry *entry = find_entry(plans_, sig, false);
-        if (entry == NULL && PyErr_Occurred()) throw_python_error();
         if (entry == NULL || !entry->plan) return false;
         const Plan &plan = *entry->plan;
         size_t n_returns = schema.returns().size();
@@ -862,7 +853,10 @@ class PlansKernel final : public c10::OperatorKernel {
             fits = plan.outputs[i].allocation >= 0 || optional_return(schema, i);
         if (!fits) return false;  // the impl's result would fail the schema: let push_result say so
         auto tensor_at = [args](int i) -> const at::Tensor & { return args[i].toTensor(); };
-        return replay(plan, tensor_at, device, outputs);
+        bool replayed = replay(plan, tensor_at, device, outputs);
+        plans_->replayed += replayed;
+        plans_->calls += replayed;
+        return replayed;
     }
 
     PlansObject *plans_;  // a reference held for the process's life (the kernel is never removed)
@@ -929,29 +923,24 @@ PyObject *plans_install(PlansObject *self, PyObject *const *args, Py_ssize_t n) 
             tensors = tensors && (p.source != 1 || THPVariable_Check(items[p.index]));
         if (!tensors) return fail_format("pointer (not a tensor argument)"), nullptr;
     }
-    PyObject *state = append_state(self, sig);
-    if (state == NULL) return NULL;
-    make_room(self->table);
-    Entry &entry = (*self->table)[sig];
+    Entry &entry = *find_entry(self, sig, true);
     Py_CLEAR(entry.first);
-    Py_XSETREF(entry.state, state);
     entry.refused = false;
     entry.plan = std::move(plan);
     Py_RETURN_NONE;
 }
 
-PyObject *plans_states(PlansObject *self, PyObject *) {
+PyObject *plans_report(PlansObject *self, PyObject *) {
     long planned = 0, refused = 0, pending = 0;
     for (const auto &item : *self->table) {
         if (item.second.plan) ++planned;
         else if (item.second.refused) ++refused;
         else ++pending;
     }
-    return Py_BuildValue("{s:l,s:l,s:l}", "planned", planned, "pending", pending, "refused",
-                         refused);
+    return Py_BuildValue("{s:l,s:l,s:l,s:l,s:l,s:s}", "planned", planned, "pending", pending,
+                         "refused", refused, "calls", self->calls, "replayed", self->replayed,
+                         "why_not", self->why_not->c_str());
 }
-
-
 
 PyObject *plans_clear(PlansObject *self, PyObject *) {
     clear_table(self->table);
@@ -959,28 +948,26 @@ PyObject *plans_clear(PlansObject *self, PyObject *) {
 }
 
 PyObject *plans_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *impl, *op, *state = Py_None;
-    if (!PyArg_ParseTuple(args, "OO|O:Plans", &impl, &op, &state)) return NULL;
-    if (state != Py_None && !PyCallable_Check(state)) {
-        PyErr_SetString(PyExc_TypeError, "Plans: `state` must be a callable or None");
-        return NULL;
-    }
+    PyObject *impl, *op;
+    int replays = 0;
+    if (!PyArg_ParseTuple(args, "OO|p:Plans", &impl, &op, &replays)) return NULL;
     PlansObject *self = reinterpret_cast<PlansObject *>(type->tp_alloc(type, 0));
     if (self == NULL) return NULL;
     self->vectorcall = plans_vectorcall;
     self->impl = Py_NewRef(impl);
     self->op = Py_NewRef(op);
-    self->state = Py_NewRef(state);
+    self->replays = static_cast<char>(replays);
     self->table = new Table();
+    self->why_not = new std::string("no call yet");
     return reinterpret_cast<PyObject *>(self);
 }
 
 void plans_dealloc(PlansObject *self) {
     clear_table(self->table);
     delete self->table;
+    delete self->why_not;
     Py_CLEAR(self->impl);
     Py_CLEAR(self->op);
-    Py_CLEAR(self->state);
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
 }
 
@@ -996,9 +983,16 @@ PyMethodDef plans_methods[] = {
      "Register this entry as the op's kernel for a dispatch key (C++, no Python per call)."},
     {"install", (PyCFunction)(void (*)(void))plans_install, METH_FASTCALL,
      "Install a plan for the signature of args."},
-    {"states", (PyCFunction)plans_states, METH_NOARGS, "How many signatures are in each state."},
+    {"report", (PyCFunction)plans_report, METH_NOARGS,
+     "Signatures per state, calls and replays so far, and why the last call was not replayed."},
     {"clear", (PyCFunction)plans_clear, METH_NOARGS, "Forget every signature."},
     {NULL, NULL, 0, NULL},
+};
+
+PyMemberDef plans_members[] = {
+    {"replays", T_BOOL, offsetof(PlansObject, replays), READONLY,
+     "define_op(replays=True): expected to replay."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 PyTypeObject PlansType = {PyVarObject_HEAD_INIT(NULL, 0)};
@@ -1064,6 +1058,7 @@ PyMODINIT_FUNC PyInit_native_plans(void) {
     PlansType.tp_call = plans_call;
     PlansType.tp_vectorcall_offset = offsetof(PlansObject, vectorcall);
     PlansType.tp_methods = plans_methods;
+    PlansType.tp_members = plans_members;
     PlansType.tp_doc = "An op's impl with its recorded plans (see native_plans.cpp).";
     if (PyType_Ready(&PlansType) < 0) return NULL;
     PyObject *module = PyModule_Create(&module_def);
