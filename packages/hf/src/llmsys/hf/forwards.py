@@ -39,7 +39,7 @@ def float_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> 
 
     The keyword arguments go to the attention as transformers' layer passes them. The add after
     the MLP stays a plain add: the next layer receives one tensor, as transformers' model loop
-    hands it over."""
+    hands it over. (``quantize.w8a8_decoder_layer_forward`` is the W8A8 one.)"""
     residual = hidden_states
     hidden_states = _cast_once(self.input_layernorm(hidden_states))
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
