@@ -15,6 +15,8 @@ scale, split or residual would exceed by far.
 """
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -323,3 +325,26 @@ def test_compile_fullgraph(device):
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
     else:
         assert torch.equal(got, want)
+
+
+def test_kernels_int8_re_exports_it_without_importing_transformers():
+    """``llmsys.kernels_int8.quantize_model`` is this one, loaded on first use: importing
+    kernels-int8 imports neither transformers nor llmsys.hf, and without llmsys-hf the name
+    raises an ImportError that says what to install."""
+    code = """
+import sys
+import llmsys.kernels_int8 as ki
+assert "transformers" not in sys.modules and "llmsys.hf" not in sys.modules
+import llmsys.hf
+assert ki.quantize_model is llmsys.hf.quantize_model
+del sys.modules["llmsys.hf"]
+sys.modules["llmsys.hf"] = None  # as if llmsys-hf were not installed
+try:
+    ki.quantize_model
+except ImportError as error:
+    assert "pip install llmsys-hf" in str(error), error
+else:
+    raise AssertionError("no ImportError")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
