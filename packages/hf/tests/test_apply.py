@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmsys.hf import apply_llmsys
+from llmsys.hf import apply_llmsys, quantize_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,19 +72,16 @@ def test_logits_loss_and_gradients_match_transformers(family):
 
 def count_calls(monkeypatch, name: str) -> list:
     """Count the calls of kernels-fused function ``name`` from the forwards apply_llmsys binds
-    (``rotary`` from ``llmsys.kernels_fused.hf``'s attention, the others from
-    ``llmsys.hf.forwards``)."""
+    (``llmsys.hf.forwards``)."""
     from llmsys.hf import forwards
-    from llmsys.kernels_fused import hf as fused_hf
 
-    module = fused_hf if name == "rotary" else forwards
-    calls, function = [], getattr(module, name)
+    calls, function = [], getattr(forwards, name)
 
     def counted(*args, **kwargs):
         calls.append(name)
         return function(*args, **kwargs)
 
-    monkeypatch.setattr(module, name, counted)
+    monkeypatch.setattr(forwards, name, counted)
     return calls
 
 
@@ -238,15 +235,14 @@ def test_refusals_name_the_problem_and_change_nothing():
 def test_with_the_int8_serving_work_either_order_is_refused_clearly():
     """quantize_model rewrites transformers' own layers, apply_llmsys needs float ones: each
     after the other is refused with a ValueError that says why, before anything changes."""
-    kernels_int8 = pytest.importorskip("llmsys.kernels_int8")
     model = build("llama")
     apply_llmsys(model)
     with pytest.raises(ValueError, match=r"mlp is SwiGLUGatedMLP"):
-        kernels_int8.quantize_model(model)
+        quantize_model(model)
     assert not any(type(m).__name__ == "Int8Linear" for m in model.modules())
 
     quantized = build("llama")
-    kernels_int8.quantize_model(quantized)
+    quantize_model(quantized)
     forwards_before = [m.__dict__.get("forward") for m in quantized.modules()]
     with pytest.raises(ValueError, match=r"quantized already"):
         apply_llmsys(quantized)

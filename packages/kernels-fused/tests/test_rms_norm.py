@@ -1,5 +1,5 @@
-"""Tests for RMSNorm (llmsys.kernels_fused.rms_norm): forward, backward, the int8 variant, the
-registered ops, the module, bad input.
+"""Tests for RMSNorm (llmsys.kernels_fused.rms_norm): forward, backward, the registered ops, the
+module, bad input. (The int8 variant is tested in kernels-int8.)
 
 Accuracy is measured against a float64 evaluation of the same formula: our error is at most twice
 eager PyTorch's in the same dtypes (plus a floor of one ulp for ties). On a CPU-only
@@ -8,7 +8,6 @@ instead of rounding to nearest even: bit-exact bfloat16 checks are in test_rms_n
 """
 
 import importlib
-import math
 import re
 
 import pytest
@@ -18,11 +17,8 @@ from llmsys.kernels_fused import (
     RMSNorm,
     rms_norm,
     rms_norm_backward_reference,
-    rms_norm_quantize_int8,
-    rms_norm_quantize_int8_reference,
     rms_norm_reference,
 )
-from llmsys.kernels_fused.reference import quantize_rows_int8_reference
 from llmsys_dev.device import ON_GPU
 
 # numpy's warnings from the interpreter: 0 / 0 and 1 / sqrt(0) in lanes and rows past the end,
@@ -37,7 +33,6 @@ pytestmark = [
 rms_module = importlib.import_module("llmsys.kernels_fused.rms_norm")
 fwd_op = torch.ops.llmsys_fused.rms_norm_fwd
 bwd_op = torch.ops.llmsys_fused.rms_norm_bwd
-quantize_op = torch.ops.llmsys_fused.rms_norm_quantize_int8
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (x dtype, weight dtype): each dtype alone, and bfloat16 activations with a float32 weight (the
@@ -204,7 +199,6 @@ def test_inputs_are_left_untouched(device):
     x, weight, r = inputs(((5,), 7), torch.bfloat16, device, residual=True)
     copies = [t.clone() for t in (x, weight, r)]
     rms_norm(x, weight, residual=r)
-    rms_norm_quantize_int8(x, weight, residual=r)
     assert all(torch.equal(t, c) for t, c in zip((x, weight, r), copies, strict=True))
 
 
@@ -313,92 +307,6 @@ def test_double_backward_raises(call, device):
         torch.autograd.grad(y.sum(), (x, weight), create_graph=True)
 
 
-# --- the int8 variant ----------------------------------------------------------------------------
-
-
-def rows(x) -> int:
-    return math.prod(x.shape[:-1])
-
-
-def quantize_our_rms_norm(x, weight, eps, r):
-    y = as_tuple(rms_norm(x, weight, eps, r))[0]
-    return quantize_rows_int8_reference(y.reshape(rows(x), x.shape[-1]))
-
-
-# bfloat16 rounding differs under the interpreter: its bit-exact checks are GPU tests.
-QUANTIZE_PAIRS = [(torch.float32, torch.float32), (torch.float16, torch.float16)]
-
-
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize(("size", "dtypes", "path"), cases(QUANTIZE_PAIRS), indirect=["path"])
-def test_quantize_equals_quantizing_rms_norm_bit_for_bit(
-    size, dtypes, residual, path, device, poisoned_allocations
-):
-    dtype, weight_dtype = dtypes
-    x, weight, r = inputs(size, dtype, device, weight_dtype, residual)
-    out = rms_norm_quantize_int8(x, weight, 1e-6, r)
-    q, scale = quantize_our_rms_norm(x, weight, 1e-6, r)
-    assert out[0].shape == (rows(x), x.shape[-1]) and out[0].is_contiguous()
-    assert torch.equal(out[0], q) and torch.equal(out[1], scale)
-    if residual:
-        assert torch.equal(out[2], rms_norm_reference(x, weight, 1e-6, r)[1])
-    # and against the composed eager reference: the same up to rms_norm's last-bit differences
-    q_ref, scale_ref, *_ = rms_norm_quantize_int8_reference(x, weight, 1e-6, r)
-    torch.testing.assert_close(
-        out[1], scale_ref, rtol=2e-3 if dtype != torch.float32 else 1e-6, atol=0
-    )
-    assert (out[0].int() - q_ref.int()).abs().max().item() <= 1 if q_ref.numel() else True
-
-
-def test_quantize_float32_matches_the_composed_reference(device):
-    # float32 rms_norm agrees with eager to the last bits; their quantized rows agree exactly
-    # wherever no value sits within those bits of a rounding boundary.
-    x, weight, _ = inputs(((11,), 33), torch.float32, device)
-    q, scale = rms_norm_quantize_int8(x, weight)
-    q_ref, scale_ref = rms_norm_quantize_int8_reference(x, weight)
-    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
-    assert (q != q_ref).float().mean().item() < 0.02
-
-
-@pytest.mark.parametrize("path", ["one_pass", *FORCED_PATHS], indirect=True)
-def test_quantize_zero_and_non_finite_rows(path, device, poisoned_allocations):
-    x, weight, _ = inputs(((6,), 33), torch.float32, device)
-    x[1] = 0.0
-    x[3, 20] = float("inf")
-    x[4, 5] = float("nan")
-    q, scale = rms_norm_quantize_int8(x, weight)
-    assert scale[1] == 0 and (q[1] == 0).all()
-    assert scale[[3, 4]].isnan().all() and (q[[3, 4]] == 0).all()
-    finite = [0, 1, 2, 5]
-    q_ref, scale_ref = quantize_our_rms_norm(x[finite], weight, 1e-6, None)
-    assert torch.equal(q[finite], q_ref) and torch.equal(scale[finite], scale_ref)
-
-
-def test_quantize_3d_input_flattens_rows(device):
-    x, weight, r = inputs(((2, 3), 7), torch.bfloat16, device, residual=True)
-    q, scale, s = rms_norm_quantize_int8(x, weight, residual=r)
-    assert q.shape == (6, 7) and scale.shape == (6,) and scale.dtype == torch.bfloat16
-    assert s.shape == (2, 3, 7)
-
-
-def test_quantize_ignores_requires_grad(device):
-    x, weight, _ = inputs(((3,), 7), torch.float32, device)
-    q, scale = rms_norm_quantize_int8(x.requires_grad_(), weight.requires_grad_())
-    assert not scale.requires_grad and q.dtype == torch.int8
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_quantize_reference_equals_kernels_int8s(dtype, device):
-    kernels_int8 = pytest.importorskip("llmsys.kernels_int8.reference")
-    y = rand((9, 37), dtype, device)
-    y[2] = 0.0
-    y[4, 3], y[6, 30] = float("nan"), -float("inf")
-    q, scale = quantize_rows_int8_reference(y)
-    q_int8, scale_int8 = kernels_int8.quantize_int8_perrow_reference(y)
-    assert torch.equal(q, q_int8)
-    torch.testing.assert_close(scale, scale_int8, rtol=0, atol=0, equal_nan=True)
-
-
 # --- bad input -----------------------------------------------------------------------------------
 
 GOOD = {"x": ((5, 8), torch.float32), "weight": ((8,), torch.float32)}
@@ -442,12 +350,11 @@ def bad_arguments(change, device):
     return args
 
 
-@pytest.mark.parametrize("fn", [rms_norm, rms_norm_quantize_int8], ids=lambda f: f.__name__)
 @pytest.mark.parametrize(("change", "error", "message"), BAD_CASES)
-def test_bad_input_raises_naming_the_argument(fn, change, error, message, device):
+def test_bad_input_raises_naming_the_argument(change, error, message, device):
     args = bad_arguments(change, device)
-    with pytest.raises(error, match=rf"^{fn.__name__}: .*" + re.escape(message)):
-        fn(**args)
+    with pytest.raises(error, match=r"^rms_norm: .*" + re.escape(message)):
+        rms_norm(**args)
 
 
 def test_residual_on_another_device_raises(device):
@@ -463,11 +370,10 @@ TENSOR_CASES = [c for c in BAD_CASES if all(isinstance(v, tuple) for v in c[0].v
 
 
 @pytest.mark.parametrize(("change", "error", "message"), TENSOR_CASES)
-def test_ops_by_name_raise_naming_the_argument(change, error, message, device):
+def test_op_by_name_raises_naming_the_argument(change, error, message, device):
     args = bad_arguments(change, device)
-    for op in (fwd_op, quantize_op):
-        with pytest.raises(error, match=re.escape(message)):
-            op(args["x"], args["weight"], args["eps"], args["residual"])
+    with pytest.raises(error, match=re.escape(message)):
+        fwd_op(args["x"], args["weight"], args["eps"], args["residual"])
 
 
 def test_int_eps_is_taken_as_a_float(device):
@@ -528,18 +434,10 @@ def test_compile_fullgraph_forward_and_backward(device):
     torch.testing.assert_close(run(compiled), run(block))
 
 
-def test_compile_fullgraph_quantize(device):
-    compiled = torch.compile(rms_norm_quantize_int8, fullgraph=True, backend="aot_eager")
-    x, weight, r = inputs(((2, 3), 33), torch.float32, device, residual=True)
-    got, expected = compiled(x, weight, 1e-6, r), rms_norm_quantize_int8(x, weight, 1e-6, r)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-
-
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 def test_opcheck(residual, device):
     x, weight, r = inputs(((5,), 33), torch.float32, device, residual=residual)
     torch.library.opcheck(fwd_op.default, (x, weight, 1e-6, r))
-    torch.library.opcheck(quantize_op.default, (x, weight, 1e-6, r))
     _, s, rstd = fwd_op(x, weight, 1e-6, r)
     grad_y = rand(x.shape, torch.float32, device)
     grad_s = rand(x.shape, torch.float32, device) if residual else None

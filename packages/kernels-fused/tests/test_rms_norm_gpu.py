@@ -1,9 +1,8 @@
 """RMSNorm on the GPU: Llama sizes, bfloat16 against eager bit for bit (or within the last bit),
-the int8 variant against quantizing rms_norm's output, torch.compile (fullgraph,
-reduce-overhead), CUDA graphs, the chunked path for long rows, and more than 2**31 elements."""
+torch.compile (fullgraph, reduce-overhead), CUDA graphs, the chunked path for long rows, and more
+than 2**31 elements. (The int8 variant's GPU tests are in kernels-int8.)"""
 
 import importlib
-import importlib.util
 import math
 
 import pytest
@@ -12,10 +11,8 @@ import torch
 from llmsys.kernels_fused import (
     RMSNorm,
     rms_norm,
-    rms_norm_quantize_int8,
     rms_norm_reference,
 )
-from llmsys.kernels_fused.reference import quantize_rows_int8_reference
 from llmsys.triton_launch.testing import replay_in_cuda_graph
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +20,6 @@ pytestmark = pytest.mark.gpu
 rms_module = importlib.import_module("llmsys.kernels_fused.rms_norm")
 fwd_op = torch.ops.llmsys_fused.rms_norm_fwd
 bwd_op = torch.ops.llmsys_fused.rms_norm_bwd
-quantize_op = torch.ops.llmsys_fused.rms_norm_quantize_int8
 
 LLAMA_N = [2048, 4096, 8192]  # Llama 3.2 1B, Llama 3 8B, Llama 3 70B hidden sizes
 ROWS = 8192
@@ -144,62 +140,11 @@ def test_long_rows_forward_and_backward(n):
 def test_chunked_path_matches_one_pass(monkeypatch):
     x, weight, r = inputs(1000, 4096 + 5, residual=True)
     one_pass = rms_norm(x, weight, 1e-5, r)
-    q_one_pass = rms_norm_quantize_int8(x, weight, 1e-5, r)
     monkeypatch.setattr(rms_module, "MAX_BLOCK_N", 1024)
     monkeypatch.setattr(rms_module, "MAX_BLOCK_N_BWD", 1024)
     chunked = rms_norm(x, weight, 1e-5, r)
     assert_near_bitwise(chunked[0], one_pass[0])
     assert torch.equal(chunked[1], one_pass[1])
-    q, scale, _ = rms_norm_quantize_int8(x, weight, 1e-5, r)
-    q_ref, scale_ref = quantize_rows_int8_reference(chunked[0])
-    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
-    assert (q.int() - q_one_pass[0].int()).abs().max().item() <= 1
-
-
-# --- the int8 variant ----------------------------------------------------------------------------
-
-
-def assert_quantized_alike(q, scale, q_ref, scale_ref) -> None:
-    """Equal rows but for a few: the int8 kernel sums a row's squares in its own order, so its
-    1/rms can differ from rms_norm's by an ulp and flip a rounding of y (as rms_norm against
-    eager), which moves that row's scale by an ulp or one q by 1."""
-    same_rows = (scale == scale_ref) & (q == q_ref).all(dim=1)
-    assert same_rows.float().mean().item() >= 0.99, f"{(~same_rows).sum()} rows differ"
-    assert (q.int() - q_ref.int()).abs().max().item() <= 1
-    ulp = torch.finfo(scale.dtype).eps
-    torch.testing.assert_close(scale, scale_ref, rtol=2 * ulp, atol=0)
-
-
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("n", LLAMA_N)
-def test_quantize_bf16_matches_quantizing_rms_norm(n, weight_dtype, residual):
-    x, weight, r = inputs(ROWS, n, weight_dtype=weight_dtype, residual=residual)
-    x[7] = 0.0  # an all-zero row: scale 0, q 0
-    if residual:
-        r[7] = 0.0
-    out = rms_norm_quantize_int8(x, weight, 1e-5, r)
-    y = rms_norm(x, weight, 1e-5, r)
-    y = y[0] if residual else y
-    assert_quantized_alike(*out[:2], *quantize_rows_int8_reference(y))
-    assert out[1][7] == 0 and (out[0][7] == 0).all()
-    if residual:
-        assert torch.equal(out[2], x + r)
-    # the same as llmsys.kernels_int8's quantizer on our rms_norm output, where it is installed
-    if importlib.util.find_spec("llmsys.kernels_int8") is None:
-        return
-    from llmsys.kernels_int8 import quantize_int8_perrow
-
-    assert_quantized_alike(*out[:2], *quantize_int8_perrow(y))
-
-
-def test_quantize_non_finite_rows():
-    x, weight, _ = inputs(64, 4096)
-    x[3, 100], x[9, 4000] = float("inf"), float("nan")
-    q, scale = rms_norm_quantize_int8(x, weight)
-    assert scale[[3, 9]].isnan().all() and (q[[3, 9]] == 0).all()
-    finite = [i for i in range(64) if i not in (3, 9)]
-    assert scale[finite].isfinite().all()
 
 
 # --- more than 2**31 elements --------------------------------------------------------------------
@@ -214,9 +159,7 @@ def test_more_than_2_31_elements():
     tail = slice(m - 5, m)  # rows past 2**31 elements
     assert torch.equal(y[tail], rms_norm(x[tail].clone(), weight))
     assert_near_bitwise(y[tail], rms_norm_reference(x[tail], weight), max_mismatch=0.01)
-    q, scale = rms_norm_quantize_int8(x, weight)
-    assert torch.equal(q[tail], quantize_rows_int8_reference(y[tail])[0])
-    del y, q, scale
+    del y
     grad_y = torch.randn_like(x)
     dx, dweight = bwd_op(grad_y, None, x, weight, fwd_op(x, weight, 1e-6, None)[2])
     _, _, rstd = fwd_op(x[tail].clone(), weight, 1e-6, None)
@@ -255,16 +198,6 @@ def test_compiled_forward_and_backward_match_eager(mode):
             assert torch.equal(g, e)
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_compiled_quantize_matches_eager(mode):
-    compiled = torch.compile(rms_norm_quantize_int8, fullgraph=True, mode=mode)
-    for _ in range(3):
-        x, weight, r = inputs(512, 4096, residual=True)
-        got = [t.clone() for t in compiled(x, weight, 1e-5, r)]
-        expected = rms_norm_quantize_int8(x, weight, 1e-5, r)
-        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
-
-
 def test_ops_replay_in_a_cuda_graph():
     def fresh():
         return inputs(1000, 4096, residual=True)
@@ -272,10 +205,6 @@ def test_ops_replay_in_a_cuda_graph():
     static, new = fresh(), fresh()
     out = replay_in_cuda_graph(lambda x, w, r: fwd_op(x, w, 1e-5, r), static, new)
     expected = fwd_op(*new[:2], 1e-5, new[2])
-    assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
-
-    out = replay_in_cuda_graph(lambda x, w, r: quantize_op(x, w, 1e-5, r), static, new)
-    expected = quantize_op(*new[:2], 1e-5, new[2])
     assert all(torch.equal(o, e) for o, e in zip(out, expected, strict=True))
 
     def backward_inputs(x, w, r):

@@ -66,16 +66,15 @@ def test_the_cache_keyword_is_the_one_forward_takes():
 
 
 def test_the_readme_example_all_three_kernels_in_one_model():
-    """llmsys-flash-attn2's README: our attention and SwiGLU for training, then INT8 linears."""
+    """llmsys-hf's README: our attention and SwiGLU for training, then INT8 linears."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llmsys.flash_attn2.hf import register
+    from llmsys.hf import SwiGLUGatedMLP, patch_gated_mlps, register_flash_attention
     from llmsys.kernels_int8 import Int8Linear, quantize_linears
-    from llmsys.kernels_swiglu.hf import SwiGLUGatedMLP, patch_gated_mlps
 
     config = LlamaConfig(**llama.TINY)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register())
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_flash_attention())
     stock = AutoModelForCausalLM.from_config(LlamaConfig(**llama.TINY), attn_implementation="sdpa")
     stock.load_state_dict(model.state_dict())
     patch_gated_mlps(model)
@@ -102,8 +101,7 @@ def test_generate_serves_an_int8_model_as_transformers_generate_does():
     import torch
     import transformers
 
-    from llmsys.hf import generate
-    from llmsys.kernels_int8 import quantize_model
+    from llmsys.hf import generate, quantize_model
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

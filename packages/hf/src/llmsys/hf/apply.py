@@ -2,45 +2,19 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 from types import MethodType
 
 from torch import nn
 
-from llmsys.kernels_fused.hf import attention_forward
-from llmsys.kernels_fused.hf import fits as fused_attention_fits
-
 from . import forwards
+from .attention import ATTN_IMPLEMENTATION, register_flash_attention
+from .families import family_classes
+from .mlp import SwiGLUGatedMLP, patch_gated_mlps
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = ("llama", "mistral", "qwen2")
 PARTS = ("attention", "mlp", "rms_norm", "rotary", "loss")
-
-
-def _family_classes() -> dict[str, tuple[type, ...]]:
-    """The transformers classes each part replaces a forward of, over the three families."""
-    try:
-        modules = [
-            importlib.import_module(f"transformers.models.{f}.modeling_{f}") for f in FAMILIES
-        ]
-    except ImportError as error:
-        raise ImportError("llmsys.hf needs transformers: pip install 'llmsys-hf'") from error
-    names = {
-        "decoder_layer": "DecoderLayer",
-        "attention": "Attention",
-        "rms_norm": "RMSNorm",
-        "causal_lm": "ForCausalLM",
-    }
-    prefixes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-    return {
-        part: tuple(
-            getattr(module, prefixes[family] + suffix)
-            for family, module in zip(FAMILIES, modules, strict=True)
-        )
-        for part, suffix in names.items()
-    }
 
 
 def _patch(module: nn.Module, forward) -> bool:
@@ -67,8 +41,8 @@ def apply_llmsys(
         model: a transformers ``LlamaForCausalLM``, ``MistralForCausalLM`` or
             ``Qwen2ForCausalLM`` (or their base ``*Model``, or any module holding their decoder
             layers).
-        attention: ``attn_implementation="llmsys_fa2"`` (``llmsys.flash_attn2.hf``).
-        mlp: the gated MLPs through the fused SwiGLU (``llmsys.kernels_swiglu.hf``).
+        attention: ``attn_implementation="llmsys_fa2"`` (:func:`register_flash_attention`).
+        mlp: the gated MLPs through the fused SwiGLU (:func:`patch_gated_mlps`).
         rms_norm: every RMSNorm through ``llmsys.kernels_fused.rms_norm``, the residual add
             after attention fused into the post-attention norm.
         rotary: q and k rotated by ``llmsys.kernels_fused.rotary`` in one launch.
@@ -84,8 +58,8 @@ def apply_llmsys(
         TypeError: ``model`` is not an ``nn.Module``, or a part's switch is not a bool.
         ValueError: the model has no decoder layer of the three families, or a part does not fit
             it (an MLP activation other than SiLU, partial rotary, no causal-LM head for
-            ``loss``), or the model was quantized by ``llmsys.kernels_int8``; nothing is replaced
-            then.
+            ``loss``), or the model holds ``llmsys.kernels_int8`` modules (``quantize_model``,
+            ``quantize_linears``); nothing is replaced then.
         ImportError: transformers is not installed.
 
     Each replaced forward is bound to its module instance: other models in the process keep
@@ -98,7 +72,7 @@ def apply_llmsys(
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise TypeError(f"apply_llmsys: `{name}` must be a bool, got {type(value).__name__}")
-    classes = _family_classes()
+    classes = family_classes()
     named = list(model.named_modules())
 
     def of(part: str) -> list[tuple[str, nn.Module]]:
@@ -120,7 +94,7 @@ def apply_llmsys(
             "on the float model (quantize_model after it falls back to a plain int8 swap)"
         )
     config = layers[0][1].self_attn.config
-    if rotary and not fused_attention_fits(config):
+    if rotary and not forwards.full_width_rotary(config):
         raise ValueError(
             "apply_llmsys: `rotary` fits full-width rotary embeddings only, got "
             f"partial_rotary_factor={config.partial_rotary_factor}; pass rotary=False"
@@ -132,30 +106,27 @@ def apply_llmsys(
             f"{type(model).__name__}; pass loss=False"
         )
     report: dict[str, list[str]] = {part: [] for part in PARTS}
-    if mlp:  # first: it checks every MLP and raises before changing anything
-        from llmsys.kernels_swiglu.hf import SwiGLUGatedMLP, patch_gated_mlps
-
-        if not all(isinstance(layer.mlp, SwiGLUGatedMLP) for _, layer in layers):
-            patch_gated_mlps(model)
-            report["mlp"] = [f"{n}.mlp" for n, _ in layers]
-    if attention:
-        from llmsys.flash_attn2.hf import ATTN_IMPLEMENTATION, register
-
-        if config._attn_implementation != ATTN_IMPLEMENTATION:
-            if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
-                model.set_attn_implementation(register())
-            else:
-                config._attn_implementation = register()
-            report["attention"] = [f"{n}.self_attn" for n, _ in layers]
+    # the MLPs first: patch_gated_mlps checks every one and raises before changing anything
+    if mlp and not all(isinstance(layer.mlp, SwiGLUGatedMLP) for _, layer in layers):
+        patch_gated_mlps(model)
+        report["mlp"] = [f"{n}.mlp" for n, _ in layers]
+    if attention and config._attn_implementation != ATTN_IMPLEMENTATION:
+        if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
+            model.set_attn_implementation(register_flash_attention())
+        else:
+            config._attn_implementation = register_flash_attention()
+        report["attention"] = [f"{n}.self_attn" for n, _ in layers]
     if rms_norm:
         report["rms_norm"] = [n for n, m in of("rms_norm") if _patch(m, forwards.rms_norm_forward)]
         norm_classes = classes["rms_norm"]
         for _, layer in layers:  # the fused add needs both of the layer's norms to be ours
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if all(type(norm) in norm_classes for norm in norms):
-                _patch(layer, forwards.decoder_layer_forward)
+                _patch(layer, forwards.float_decoder_layer_forward)
     if rotary:
-        report["rotary"] = [n for n, m in of("attention") if _patch(m, attention_forward)]
+        report["rotary"] = [
+            n for n, m in of("attention") if _patch(m, forwards.rotary_attention_forward)
+        ]
     if loss:
         report["loss"] = [
             n or type(m).__name__ for n, m in heads if _patch(m, forwards.causal_lm_forward)

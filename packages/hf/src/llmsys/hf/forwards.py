@@ -6,10 +6,14 @@ that module does, with an llmsys kernel where one fits, and hands every case it 
 to transformers' own forward of the module's class:
 
     RMSNorm         ``rms_norm`` (llmsys.kernels_fused); with ``residual=`` the add before it too
-    decoder layer   the residual add after attention fused into the post-attention RMSNorm
-    attention       ``llmsys.kernels_fused.hf.attention_forward``: ``rotary`` on q and k in one
-                    launch (kernels-int8's ``quantize_model`` binds it too), then the attention
-                    implementation the config names (``llmsys_fa2`` after ``apply_llmsys``)
+    decoder layer   ``float_decoder_layer_forward``: the residual add after attention fused into
+                    the post-attention RMSNorm (``quantize.w8a8_decoder_layer_forward`` is the
+                    int8 one)
+    attention       ``rotary_attention_forward``: the q, k and v projections, then
+                    ``rotary_attention``: ``rotary`` on q and k in one launch, the KV cache and
+                    the attention implementation the config names (``llmsys_fa2`` after
+                    ``apply_llmsys``); the W8A8 attention calls ``rotary_attention`` with the
+                    three column ranges of its fused q|k|v projection
     causal LM       with ``labels=``, the loss from the last hidden states through
                     ``causal_lm_loss`` (the logits never exist); without labels, or with
                     ``logits_to_keep``: transformers' forward
@@ -17,10 +21,12 @@ to transformers' own forward of the module's class:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
-from llmsys.kernels_fused import causal_lm_loss, rms_norm
+from llmsys.kernels_fused import causal_lm_loss, rms_norm, rotary
 
 
 def rms_norm_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
@@ -28,12 +34,12 @@ def rms_norm_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor |
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=residual)
 
 
-def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+def float_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
     """``LlamaDecoderLayer.forward`` with the add after attention fused into the next norm.
 
     The keyword arguments go to the attention as transformers' layer passes them. The add after
     the MLP stays a plain add: the next layer receives one tensor, as transformers' model loop
-    hands it over."""
+    hands it over. (``quantize.w8a8_decoder_layer_forward`` is the W8A8 one.)"""
     residual = hidden_states
     hidden_states = _cast_once(self.input_layernorm(hidden_states))
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
@@ -53,6 +59,95 @@ def _cast_once(normed: torch.Tensor) -> torch.Tensor:
     if normed.dtype == torch.float32 and torch.is_autocast_enabled(device):
         return normed.to(torch.get_autocast_dtype(device))
     return normed
+
+
+def full_width_rotary(config) -> bool:
+    """Whether a model of ``config`` rotates every channel of a head (no
+    ``partial_rotary_factor``): the case the fused ``rotary`` kernel fits."""
+    return getattr(config, "partial_rotary_factor", 1.0) == 1.0
+
+
+def _interface(module: nn.Module):
+    """The attention function ``config._attn_implementation`` names, as transformers picks it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = module.config._attn_implementation
+    if name in (None, "eager"):
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def rotary_attention(
+    attn: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """A Llama-, Mistral- or Qwen2-family attention ``attn`` from its projections' outputs:
+    rotary embeddings, KV cache, the configured attention implementation, ``o_proj``.
+
+    ``query`` is (batch, tokens, heads x head_dim), ``key`` and ``value`` (batch, tokens,
+    kv_heads x head_dim); views into one wider tensor (a fused projection's columns) are read
+    in place. q and k rotate in one ``rotary`` launch where the rotary embeddings are
+    full-width, by the family's own ``apply_rotary_pos_emb`` otherwise. A KV cache is updated as
+    transformers does it: ``cache.update(..., kwargs=kwargs)`` where the layer passes ``cache=``
+    (transformers 5.2x), ``past_key_values.update(...)`` where it passes ``past_key_values=``
+    (5.17). Returns ``(output, attention weights or None)`` as transformers' attention does."""
+    cache = kwargs.pop("cache", None)
+    legacy_cache = kwargs.pop("past_key_values", None)
+    input_shape = query.shape[:-1]
+    hidden_shape = (*input_shape, -1, attn.head_dim)
+    query = query.view(hidden_shape).transpose(1, 2)  # (B, H, N, d)
+    key = key.view(hidden_shape).transpose(1, 2)  # (B, H_kv, N, d)
+    value = value.view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    if full_width_rotary(attn.config):
+        query, key = rotary(query, key, cos, sin)
+    else:
+        family = sys.modules[type(attn).__module__]
+        query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
+    elif legacy_cache is not None:
+        key, value = legacy_cache.update(key, value, attn.layer_idx)
+    # Qwen2 keeps its window per layer, Mistral in the config, Llama has none.
+    window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    output, weights = _interface(attn)(
+        attn,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=attn.attention_dropout if attn.training else 0.0,
+        scaling=attn.scaling,
+        sliding_window=window,
+        **kwargs,
+    )
+    output = output.reshape(*input_shape, -1).contiguous()
+    return attn.o_proj(output), weights
+
+
+def rotary_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """``LlamaAttention.forward`` (and Mistral's and Qwen2's) with q and k rotated in one launch:
+    the three projections of ``hidden_states``, then :func:`rotary_attention`."""
+    return rotary_attention(
+        self,
+        self.q_proj(hidden_states),
+        self.k_proj(hidden_states),
+        self.v_proj(hidden_states),
+        position_embeddings,
+        attention_mask,
+        **kwargs,
+    )
 
 
 def _output_with_cache(outputs, **fields):

@@ -6,7 +6,7 @@ One prefill of the prompt fills a ``transformers.StaticCache``. Each new token i
 decode step, the same call every time: it reads the token before from a fixed buffer, writes
 its own there and advances the positions in place. That is what lets one CUDA graph of the step
 replay it, with no Python between tokens. The model may be as transformers builds it, or
-rewritten by ``apply_llmsys`` or by kernels-int8's ``quantize_model``: one harness serves fp16
+rewritten by ``apply_llmsys`` or by ``quantize_model``: one harness serves fp16
 and int8.
 """
 

@@ -1,6 +1,6 @@
-"""Fused transformer-layer kernels in Triton: RMSNorm (with the residual add, and a variant that
-writes int8 rows for the int8 GEMM), rotary embeddings on q and k in one launch, and the output
-projection fused with cross-entropy so the logits are never materialised.
+"""Fused transformer-layer kernels in Triton: RMSNorm (with the residual add), rotary embeddings on
+q and k in one launch, and the output projection fused with cross-entropy so the logits are never
+materialised.
 
 Importing this package registers its ``torch.ops.llmsys_fused`` ops.
 """
@@ -10,12 +10,11 @@ from .modules import RMSNorm
 from .reference import (
     linear_cross_entropy_reference,
     rms_norm_backward_reference,
-    rms_norm_quantize_int8_reference,
     rms_norm_reference,
     rotary_backward_reference,
     rotary_reference,
 )
-from .rms_norm import rms_norm, rms_norm_quantize_int8
+from .rms_norm import rms_norm
 from .rotary import apply_rotary_pos_emb, rotary
 
 __version__ = "0.1.0"
@@ -29,10 +28,20 @@ __all__ = [
     "linear_cross_entropy_reference",
     "rms_norm",
     "rms_norm_backward_reference",
-    "rms_norm_quantize_int8",
-    "rms_norm_quantize_int8_reference",
     "rms_norm_reference",
     "rotary",
     "rotary_backward_reference",
     "rotary_reference",
 ]
+
+# The int8 RMSNorm moved to llmsys.kernels_int8 (beside the other int8 producers); its old names
+# here still resolve, on first use, where that package is installed.
+_MOVED_TO_KERNELS_INT8 = ("rms_norm_quantize_int8", "rms_norm_quantize_int8_reference")
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_KERNELS_INT8:
+        import llmsys.kernels_int8
+
+        return getattr(llmsys.kernels_int8, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,8 +10,6 @@ import torch.nn.functional as F
 
 # --- RMSNorm -------------------------------------------------------------------------------------
 
-INT8_QMAX = 127  # symmetric int8: q in [-127, 127]
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the kernels compute in: float32 (as Hugging Face upcasts), float64 for
@@ -84,50 +82,6 @@ def rms_norm_backward_reference(
         dx = dx + grad_s.reshape(x2.shape).to(compute)
     dweight = (g * h.to(x.dtype).to(compute)).sum(0)  # (N,)
     return dx.to(x.dtype).reshape(x.shape), dweight.to(weight.dtype)
-
-
-def quantize_rows_int8_reference(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 quantization, the same rule as ``llmsys.kernels_int8``'s.
-
-    ``scale = max|row| / 127`` in float32, rounded to ``y.dtype``; ``q = round_half_even(y /
-    scale)`` (dividing by the stored scale) clamped to [-127, 127]. A row whose scale is 0 gives
-    zeros; a row holding a NaN or Inf gets a NaN scale and zeros.
-
-    Args:
-        y: (M, N) float16, bfloat16 or float32.
-
-    Returns:
-        ``q`` (M, N) int8, contiguous, and ``scale`` (M,) in ``y.dtype``.
-    """
-    y32 = y.float()  # (M, N)
-    amax = y32.abs().amax(dim=1) if y.shape[1] else y32.new_zeros(y.shape[0])  # (M,)
-    # Divide by a tensor: CUDA turns `tensor / python_scalar` into a multiply by the reciprocal.
-    scale = amax / torch.full_like(amax, INT8_QMAX)  # (M,)
-    scale = torch.where(amax.isfinite(), scale, torch.nan).to(y.dtype)  # (M,)
-    s32 = scale.float()[:, None]  # (M, 1)
-    nonzero = s32 > 0  # False for NaN
-    q = (y32 / torch.where(nonzero, s32, 1.0)).clamp(-INT8_QMAX, INT8_QMAX).round()  # (M, N)
-    q = torch.where(nonzero, q, 0.0)
-    return q.to(torch.int8).contiguous(), scale
-
-
-def rms_norm_quantize_int8_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """:func:`quantize_rows_int8_reference` of :func:`rms_norm_reference`'s output.
-
-    Returns:
-        ``(q, scale)``, or ``(q, scale, s)`` with ``residual``: ``q`` (M, N) int8 with the leading
-        dims of ``x`` flattened to M, ``scale`` (M,) in the normalised output's dtype, ``s`` the
-        sum ``x + residual`` in ``x``'s shape.
-    """
-    out = rms_norm_reference(x, weight, eps, residual)
-    y, rest = (out, ()) if residual is None else (out[0], out[1:])
-    q, scale = quantize_rows_int8_reference(y.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
-    return (q, scale, *rest)
 
 
 # --- fused linear cross-entropy -------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""RMSNorm in Triton: Hugging Face Llama's formula, the decoder layer's residual add fused in
-front of it, and a variant that writes int8 rows (and their scales) for the int8 GEMM.
+"""RMSNorm in Triton: Hugging Face Llama's formula, with the decoder layer's residual add fused
+in front of it.
 
-    rms_norm_fwd_kernel            x (+ residual) -> y, s, rstd        one read, one write
-    rms_norm_bwd_kernel            grad_y, x, rstd -> dx, dweight partials
-    rms_norm_quantize_int8_kernel  x (+ residual) -> q int8, scale, s  (forward only)
+    rms_norm_fwd_kernel   x (+ residual) -> y, s, rstd        one read, one write
+    rms_norm_bwd_kernel   grad_y, x, rstd -> dx, dweight partials
+
+The int8 variant (llmsys.kernels_int8's ``rms_norm_quantize_int8``) reuses the row helpers
+``_load_input``, ``_rstd``, ``_normalize``, ``_sum_of_squares`` and ``launch_config``.
 
 The leading dims are flattened to M rows of N; each program owns BLOCK_M rows (several when N is
 small). A row that fits in one block (N <= MAX_BLOCK_N) stays in registers (ONE_PASS); a longer
@@ -19,7 +21,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from llmsys.triton_launch import (
     call_below_autograd,
@@ -34,11 +35,7 @@ from llmsys.triton_launch import (
     wants_grad,
 )
 
-from .reference import (
-    rms_norm_backward_reference,
-    rms_norm_quantize_int8_reference,
-    rms_norm_reference,
-)
+from .reference import rms_norm_backward_reference, rms_norm_reference
 
 NAMESPACE = "llmsys_fused"
 
@@ -218,109 +215,6 @@ def rms_norm_bwd_kernel(
             tl.debug_barrier()
     if ONE_PASS:
         tl.store(dw_row + cols, tl.sum(dw, axis=0), mask=cols < N)
-
-
-@triton.jit
-def _round_half_even(y, USE_LIBDEVICE: tl.constexpr):
-    # torch.round rounds half to even: one cvt.rni on the GPU. The interpreter has no libdevice;
-    # there adding and subtracting 1.5 * 2**23 lets float32's own rounding do it (|y| <= 127).
-    if USE_LIBDEVICE:
-        return libdevice.rint(y)
-    else:
-        return (y + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _abs_for_amax(y, mask):
-    # |y| for the row maximum: NaN counts as inf (tl.max skips NaN; such a row's scale is NaN),
-    # lanes past the row count as 0.
-    return tl.where(mask, tl.where(y == y, tl.abs(y), float("inf")), 0.0)
-
-
-@triton.jit
-def _store_int8_scale(scale_ptr, rows, row_mask, amax):
-    # scale = amax / 127 (IEEE division) rounded to the scale's dtype, NaN for a non-finite row;
-    # returns the stored value in float32, which q divides by.
-    scale = tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
-    scale = tl.where(amax < float("inf"), scale, float("nan")).to(scale_ptr.dtype.element_ty)
-    tl.store(scale_ptr + rows, scale, mask=row_mask)
-    return scale.to(tl.float32)
-
-
-@triton.jit
-def _quantize_int8(y, scale, USE_LIBDEVICE: tl.constexpr):
-    # y (BLOCK_M, BLOCK_N) float32, scale (BLOCK_M,) -> int8; rows whose scale is 0 or NaN give 0.
-    nonzero = scale > 0
-    divisor = tl.broadcast_to(tl.where(nonzero, scale, 1.0)[:, None], y.shape)
-    q = tl.minimum(tl.maximum(tl.div_rn(y, divisor), -127.0), 127.0)
-    return tl.where(nonzero[:, None], _round_half_even(q, USE_LIBDEVICE), 0.0).to(tl.int8)
-
-
-@triton.jit(do_not_specialize=["M"])
-def rms_norm_quantize_int8_kernel(
-    # pointers
-    x_ptr,  # (M, N) float16 / bfloat16 / float32, contiguous
-    res_ptr,  # (M, N) any float dtype, or x_ptr when there is no residual
-    w_ptr,  # (N,)
-    q_ptr,  # (M, N) int8
-    scale_ptr,  # (M,) promote(x, weight) dtype: the dtype y is rounded to before quantizing
-    s_ptr,  # (M, N) x's dtype: x + residual (unused without residual)
-    # sizes
-    M,
-    N,
-    eps,
-    # meta-parameters
-    HAS_RESIDUAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ONE_PASS: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,  # False under the interpreter
-):
-    """y as rms_norm_fwd_kernel rounds it, then per row:
-
-        scale = round_to_dtype(max|y| / 127)       NaN where y holds a NaN or Inf
-        q     = rint(clamp(y / scale, -127, 127))  0 where scale is 0 or NaN
-
-    A row longer than one block takes three passes (sum of squares, max, quantize).
-    """
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    row_mask = rows < M
-    row_off = rows[:, None] * N  # (BLOCK_M, 1)
-    x_dtype = x_ptr.dtype.element_ty
-    y_dtype = scale_ptr.dtype.element_ty
-    if ONE_PASS:
-        cols = tl.arange(0, BLOCK_N)
-        mask = row_mask[:, None] & (cols[None, :] < N)
-        x = _load_input(x_ptr, res_ptr, s_ptr, row_off + cols[None, :], mask, HAS_RESIDUAL)
-        rstd = _rstd(tl.sum(x * x, axis=1), N, eps)
-        w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-        y = _normalize(x, rstd, w, x_dtype).to(y_dtype).to(tl.float32)
-        scale = _store_int8_scale(scale_ptr, rows, row_mask, tl.max(_abs_for_amax(y, mask), 1))
-        q = _quantize_int8(y, scale, USE_LIBDEVICE)
-        tl.store(q_ptr + row_off + cols[None, :], q, mask=mask)
-    else:
-        sum_sq = _sum_of_squares(
-            x_ptr, res_ptr, s_ptr, row_off, row_mask, N, HAS_RESIDUAL, BLOCK_M, BLOCK_N
-        )
-        rstd = _rstd(sum_sq, N, eps)
-        in_ptr = s_ptr if HAS_RESIDUAL else x_ptr
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k in range(0, N, BLOCK_N):
-            cols = k + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols[None, :] < N)
-            x = tl.load(in_ptr + row_off + cols[None, :], mask=mask, other=0.0)
-            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-            y = _normalize(x.to(tl.float32), rstd, w, x_dtype).to(y_dtype).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(_abs_for_amax(y, mask), axis=1))
-        scale = _store_int8_scale(scale_ptr, rows, row_mask, amax)
-        for k in range(0, N, BLOCK_N):
-            cols = k + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols[None, :] < N)
-            x = tl.load(in_ptr + row_off + cols[None, :], mask=mask, other=0.0)
-            w = tl.load(w_ptr + cols, mask=cols < N, other=0.0)
-            y = _normalize(x.to(tl.float32), rstd, w, x_dtype).to(y_dtype).to(tl.float32)
-            q = _quantize_int8(y, scale, USE_LIBDEVICE)
-            tl.store(q_ptr + row_off + cols[None, :], q, mask=mask)
 
 
 # --- launchers -----------------------------------------------------------------------------------
@@ -516,42 +410,6 @@ def _rms_norm_bwd_fake(grad_y, grad_s, x, weight, rstd):
     return x.new_empty(x.shape), torch.empty_like(weight)
 
 
-def _rms_norm_quantize_int8(x, weight, eps, residual):
-    if not _valid(x, weight, eps, residual):
-        check_inputs("rms_norm_quantize_int8", x, weight, eps, residual)
-    if not x.is_cuda and not CPU_RUNS_TRITON:
-        q, scale, *s = rms_norm_quantize_int8_reference(x, weight, eps, residual)
-        return q, scale, s[0].contiguous() if s else x.new_empty(0)
-    x2 = _rows(x)  # (M, N)
-    M, N = x2.shape
-    q = torch.empty((M, N), dtype=torch.int8, device=x.device)
-    scale_dtype = torch.promote_types(x.dtype, weight.dtype)
-    scale = torch.empty(M, dtype=scale_dtype, device=x.device)
-    if residual is None:
-        res2, s = x2, x.new_empty(0)
-    else:
-        res2, s = _rows(residual), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, one_pass, num_warps = launch_config(M, N)
-    constexprs = {
-        "HAS_RESIDUAL": residual is not None,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "ONE_PASS": one_pass,
-        "USE_LIBDEVICE": x.is_cuda,
-    }
-    args = (x2, res2, weight, q, scale, s if residual is not None else x2, M, N, float(eps))
-    launch(rms_norm_quantize_int8_kernel, cdiv(M, block_m), args, constexprs, num_warps=num_warps)
-    return q, scale, s
-
-
-def _rms_norm_quantize_int8_fake(x, weight, eps, residual):
-    check_inputs("rms_norm_quantize_int8", x, weight, eps, residual)
-    M = math.prod(x.shape[:-1])
-    q = x.new_empty((M, x.shape[-1]), dtype=torch.int8)
-    scale = x.new_empty(M, dtype=torch.promote_types(x.dtype, weight.dtype))
-    return q, scale, x.new_empty(0) if residual is None else x.new_empty(x.shape)
-
-
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 rms_norm_fwd = define_op(
     _lib,
@@ -566,13 +424,6 @@ rms_norm_bwd = define_op(
     "-> (Tensor, Tensor)",
     _rms_norm_bwd,
     _rms_norm_bwd_fake,
-)
-rms_norm_quantize_int8_op = define_op(
-    _lib,
-    "rms_norm_quantize_int8(Tensor x, Tensor weight, float eps, Tensor? residual) "
-    "-> (Tensor, Tensor, Tensor)",
-    _rms_norm_quantize_int8,
-    _rms_norm_quantize_int8_fake,
 )
 
 # --- autograd and the public functions -----------------------------------------------------------
@@ -661,42 +512,3 @@ def rms_norm(
     else:
         y, s, _ = call_below_autograd(rms_norm_fwd, x, weight, eps, residual)
     return y if residual is None else (y, s)
-
-
-def rms_norm_quantize_int8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float = 1e-6,
-    residual: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """:func:`rms_norm`, then symmetric per-row int8 quantization of its output, in one kernel.
-
-    Equals ``llmsys.kernels_int8``'s ``quantize_int8_perrow_reference`` applied to
-    ``rms_norm(x, weight, eps)`` bit for bit: ``scale = max|y_row| / 127`` (float32, rounded to
-    y's dtype), ``q = round_half_even(y / scale)`` clamped to [-127, 127]; an all-zero row gives
-    zeros and scale 0, a row holding a NaN or Inf a NaN scale and zeros. For serving: forward
-    only, the outputs carry no gradient.
-
-    Args:
-        x: (..., N) float16, bfloat16 or float32.
-        weight: (N,) float16, bfloat16 or float32, on ``x``'s device.
-        eps: a float >= 0. Default 1e-6.
-        residual: None, or a tensor of ``x``'s shape and device, any of the dtypes (added first).
-
-    Returns:
-        ``(q, scale)``, or ``(q, scale, s)`` with ``residual``: ``q`` (M, N) int8 contiguous,
-        the leading dims of ``x`` flattened to M (the int8 GEMM's ``a``); ``scale`` (M,) in
-        ``torch.promote_types(x.dtype, weight.dtype)``; ``s = x + residual`` in ``x``'s shape
-        and dtype.
-
-    Raises:
-        TypeError, ValueError: as :func:`rms_norm`.
-    """
-    if not _valid(x, weight, eps, residual):
-        check_inputs("rms_norm_quantize_int8", x, weight, eps, residual)
-        eps = float(eps)
-    if wants_grad(x, weight, residual):  # forward only: nothing for autograd to record
-        x, weight = x.detach(), weight.detach()
-        residual = None if residual is None else residual.detach()
-    q, scale, s = call_below_autograd(rms_norm_quantize_int8_op, x, weight, eps, residual)
-    return (q, scale) if residual is None else (q, scale, s)

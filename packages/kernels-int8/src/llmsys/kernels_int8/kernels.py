@@ -24,11 +24,11 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def _round_half_even(y, USE_LIBDEVICE: tl.constexpr):
+def _round_half_even(y, PRECISE: tl.constexpr):
     # torch.round rounds half to even. On the GPU `rint` is one cvt.rni instruction; the
     # interpreter has no libdevice, so there adding and subtracting 1.5 * 2**23 lets float32's own
     # round-to-nearest-even do it (exact for |y| < 2**22; the caller clamps to 127 first).
-    if USE_LIBDEVICE:
+    if PRECISE:
         return libdevice.rint(y)
     else:
         return (y + 12582912.0) - 12582912.0
@@ -54,14 +54,14 @@ def _store_scale(scale_ptr, rows, row_mask, amax):
 
 
 @triton.jit
-def _quantize(x, scale, USE_LIBDEVICE: tl.constexpr):
+def _quantize(x, scale, PRECISE: tl.constexpr):
     # x (BLOCK_M, BLOCK_K) float32, scale (BLOCK_M,) float32 -> (BLOCK_M, BLOCK_K) int8.
     # A row whose scale is 0 (all zeros, or a float16 scale that underflowed) gives zeros, not NaN;
     # so does a row whose scale is NaN (it held a NaN or Inf).
     nonzero = scale > 0
     divisor = tl.broadcast_to(tl.where(nonzero, scale, 1.0)[:, None], x.shape)
     y = tl.div_rn(x, divisor)  # IEEE division, as eager `x / scale`
-    y = _round_half_even(tl.minimum(tl.maximum(y, -127.0), 127.0), USE_LIBDEVICE)
+    y = _round_half_even(tl.minimum(tl.maximum(y, -127.0), 127.0), PRECISE)
     return tl.where(nonzero[:, None], y, 0.0).to(tl.int8)
 
 
@@ -82,7 +82,7 @@ def quantize_int8_perrow_kernel(
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_K: tl.constexpr,  # columns per step (>= K when ONE_PASS)
     ONE_PASS: tl.constexpr,  # the row fits in one block: x is read once
-    USE_LIBDEVICE: tl.constexpr,  # False under the interpreter
+    PRECISE: tl.constexpr,  # libdevice's rint; False under the interpreter
 ):
     """Symmetric per-row quantization, BLOCK_M rows per program.
 
@@ -105,7 +105,7 @@ def quantize_int8_perrow_kernel(
         x_ptrs = x_rows + cols[None, :].to(tl.int64) * stride_xk
         x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         scale = _store_scale(scale_ptr, rows, row_mask, tl.max(_abs_nan_as_inf(x), axis=1))
-        tl.store(q_rows + cols[None, :], _quantize(x, scale, USE_LIBDEVICE), mask=mask)
+        tl.store(q_rows + cols[None, :], _quantize(x, scale, PRECISE), mask=mask)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -118,7 +118,7 @@ def quantize_int8_perrow_kernel(
             mask = row_mask[:, None] & (k + cols[None, :] < K)
             x_ptrs = x_rows + (k + cols[None, :]).to(tl.int64) * stride_xk
             x = tl.load(x_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-            q = _quantize(x.to(tl.float32), scale, USE_LIBDEVICE)
+            q = _quantize(x.to(tl.float32), scale, PRECISE)
             tl.store(q_rows + k + cols[None, :], q, mask=mask)
 
 

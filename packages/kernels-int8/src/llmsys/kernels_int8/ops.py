@@ -240,7 +240,7 @@ class QuantizePlan:
             "BLOCK_M": config.block_m,
             "BLOCK_K": config.block_k,
             "ONE_PASS": config.one_pass,
-            "USE_LIBDEVICE": x.is_cuda,
+            "PRECISE": x.is_cuda,
         }
         self.kernel = Launch(quantize_int8_perrow_kernel, constexprs, config.num_warps)
 

@@ -13,6 +13,8 @@ from types import MethodType
 import torch
 import torch.nn.functional as F
 
+from llmsys.kernels_fused import rms_norm_reference
+
 QMAX = 127  # symmetric: q in [-127, 127], so -q never overflows and the grid is centred on 0
 
 
@@ -125,6 +127,26 @@ def silu_mul_quantize_int8_reference(
     return quantize_int8_perrow_reference(
         hidden.reshape(math.prod(gate.shape[:-1]), gate.shape[-1])
     )
+
+
+def rms_norm_quantize_int8_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`quantize_int8_perrow_reference` of ``llmsys.kernels_fused.rms_norm_reference``'s
+    output (Hugging Face Llama's RMSNorm, optionally after the residual add).
+
+    Returns:
+        ``(q, scale)``, or ``(q, scale, s)`` with ``residual``: ``q`` (M, N) int8 with the leading
+        dims of ``x`` flattened to M, ``scale`` (M,) in the normalised output's dtype, ``s`` the
+        sum ``x + residual`` in ``x``'s shape.
+    """
+    out = rms_norm_reference(x, weight, eps, residual)
+    y, rest = (out, ()) if residual is None else (out[0], out[1:])
+    q, scale = quantize_int8_perrow_reference(y.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
+    return (q, scale, *rest)
 
 
 def _w8a8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:

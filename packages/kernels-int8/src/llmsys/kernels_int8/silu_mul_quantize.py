@@ -36,11 +36,11 @@ from .reference import silu_mul_quantize_int8_reference
 
 
 @triton.jit
-def _silu_mul(g, u, DTYPE: tl.constexpr, USE_LIBDEVICE: tl.constexpr):
+def _silu_mul(g, u, DTYPE: tl.constexpr, PRECISE: tl.constexpr):
     # g, u float32 -> silu(g) * u in float32, rounded as eager rounds `F.silu(gate) * up` in
     # DTYPE: silu(g) = g / (1 + exp(-g)) (PyTorch's formula, IEEE division: `/` is an
     # approximation on the GPU) rounded to DTYPE, then the product rounded to DTYPE.
-    silu = tl.div_rn(g, 1.0 + _exp(-g, USE_LIBDEVICE)).to(DTYPE).to(tl.float32)
+    silu = tl.div_rn(g, 1.0 + _exp(-g, PRECISE)).to(DTYPE).to(tl.float32)
     return (silu * u).to(DTYPE).to(tl.float32)
 
 
@@ -63,7 +63,7 @@ def silu_mul_quantize_int8_kernel(
     # meta-parameters
     BLOCK_N: tl.constexpr,  # columns per step (>= N when ONE_PASS)
     ONE_PASS: tl.constexpr,  # the row fits in one block: gate and up are read once
-    USE_LIBDEVICE: tl.constexpr,  # False under the interpreter
+    PRECISE: tl.constexpr,  # libdevice's exp and rint; False under the interpreter
 ):
     """One row per program:
 
@@ -88,9 +88,9 @@ def silu_mul_quantize_int8_kernel(
         offs = cols[None, :].to(tl.int64)
         g = tl.load(g_rows + offs * stride_gn, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_rows + offs * stride_un, mask=mask, other=0.0).to(tl.float32)
-        h = _silu_mul(g, u, dtype, USE_LIBDEVICE)  # (1, BLOCK_N)
+        h = _silu_mul(g, u, dtype, PRECISE)  # (1, BLOCK_N)
         scale = _store_scale(scale_ptr, rows, row_mask, tl.max(_abs_nan_as_inf(h), axis=1))
-        tl.store(q_rows + cols[None, :], _quantize(h, scale, USE_LIBDEVICE), mask=mask)
+        tl.store(q_rows + cols[None, :], _quantize(h, scale, PRECISE), mask=mask)
     else:
         amax = tl.zeros((1,), dtype=tl.float32)
         for k in range(0, N, BLOCK_N):
@@ -102,7 +102,7 @@ def silu_mul_quantize_int8_kernel(
             u = tl.load(
                 u_rows + offs * stride_un, mask=mask, other=0.0, eviction_policy="evict_last"
             )
-            h = _silu_mul(g.to(tl.float32), u.to(tl.float32), dtype, USE_LIBDEVICE)
+            h = _silu_mul(g.to(tl.float32), u.to(tl.float32), dtype, PRECISE)
             amax = tl.maximum(amax, tl.max(_abs_nan_as_inf(h), axis=1))
         scale = _store_scale(scale_ptr, rows, row_mask, amax)
         for k in range(0, N, BLOCK_N):
@@ -114,8 +114,8 @@ def silu_mul_quantize_int8_kernel(
             u = tl.load(
                 u_rows + offs * stride_un, mask=mask, other=0.0, eviction_policy="evict_first"
             )
-            h = _silu_mul(g.to(tl.float32), u.to(tl.float32), dtype, USE_LIBDEVICE)
-            tl.store(q_rows + k + cols[None, :], _quantize(h, scale, USE_LIBDEVICE), mask=mask)
+            h = _silu_mul(g.to(tl.float32), u.to(tl.float32), dtype, PRECISE)
+            tl.store(q_rows + k + cols[None, :], _quantize(h, scale, PRECISE), mask=mask)
 
 
 # --- launcher ------------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def silu_mul_quantize(
         m,
         (gate, up, q, scale, m, n, gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
          q.stride(0)),
-        {"BLOCK_N": block_n, "ONE_PASS": one_pass, "USE_LIBDEVICE": gate.is_cuda},
+        {"BLOCK_N": block_n, "ONE_PASS": one_pass, "PRECISE": gate.is_cuda},
         num_warps=num_warps,
         enable_fp_fusion=False,  # keep eager's separate roundings
     )  # fmt: skip

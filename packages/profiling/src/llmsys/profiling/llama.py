@@ -9,7 +9,7 @@ providers of a case side by side; times are medians of per-call CUDA-event times
 inference  float16, SDPA attention. ``fp16`` is the model as built; ``int8`` is a copy with
            every linear swapped by ``llmsys.kernels_int8.quantize_linears`` (W8A8: weights per
            output channel, activations per token); ``int8-fused`` a copy rewritten by
-           ``llmsys.kernels_int8.quantize_model`` (the same scheme: q|k|v and gate|up as one
+           ``llmsys.hf.quantize_model`` (the same scheme: q|k|v and gate|up as one
            GEMM each, the quantization fused into RMSNorm and SiLU-and-mul). Prefill: 8 x 512
            tokens, no cache, last token's logits. Decode: one token for each of 8 sequences over
            a static KV cache holding 512 tokens. Each eagerly and as one CUDA graph of the whole
@@ -277,7 +277,8 @@ def _with_speedups(rows: list[results.Row], baseline: str) -> list[results.Row]:
 def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
     """fp16 vs int8 (quantize_linears) and int8-fused (quantize_model): prefill and decode,
     eager and CUDA graph; logits error."""
-    from llmsys.kernels_int8 import quantize_linears, quantize_model
+    from llmsys.hf import quantize_model
+    from llmsys.kernels_int8 import quantize_linears
 
     transformers = _transformers()
     device, on_cuda = args.device, torch.device(args.device).type == "cuda"

@@ -9,9 +9,9 @@ published serving anchors' model; 0.85b the llama subcommand's default) and SDPA
 Each provider is a copy of the same weights:
 
 fp16            the model as transformers builds it
-int8-fused      ``llmsys.kernels_int8.quantize_model`` (W8A8: weights per output channel,
-                activations per token; q|k|v and gate|up one GEMM each, the quantization fused
-                into RMSNorm and SiLU-and-mul)
+int8-fused      ``llmsys.hf.quantize_model`` (W8A8: weights per output channel, activations
+                per token; q|k|v and gate|up one GEMM each, the quantization fused into
+                RMSNorm and SiLU-and-mul)
 torchao-int8    torchao's ``quantize_(model, Int8DynamicActivationInt8WeightConfig())``
 torchao-float8  torchao's ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``,
                 on a bfloat16 copy (torchao's float8 rowwise takes no float16 weights)
@@ -138,7 +138,7 @@ def quantized(name: str, fp16: nn.Module) -> nn.Module:
     if name == "torchao-float8":
         model = model.to(torch.bfloat16)
     if name == "int8-fused":
-        from llmsys.kernels_int8 import quantize_model
+        from llmsys.hf import quantize_model
 
         quantize_model(model)
         return model

@@ -1,6 +1,6 @@
 """The fused SwiGLU in Hugging Face transformers models: ``patch_gated_mlps(model)``.
 
-    from llmsys.kernels_swiglu.hf import patch_gated_mlps
+    from llmsys.hf import patch_gated_mlps
 
     patch_gated_mlps(model)  # every LlamaMLP / MistralMLP / Qwen2MLP now calls swiglu()
 
@@ -13,22 +13,16 @@ the product, forward and backward. transformers is imported only when ``patch_ga
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import torch
 from torch import nn
 
-from .functional import swiglu
+from llmsys.kernels_swiglu import swiglu
+
+from .families import FAMILIES, family_classes, is_silu
 
 logger = logging.getLogger(__name__)
-
-# transformers module -> the gated-MLP class in it that computes exactly the formula above
-GATED_MLPS = {
-    "transformers.models.llama.modeling_llama": "LlamaMLP",
-    "transformers.models.mistral.modeling_mistral": "MistralMLP",
-    "transformers.models.qwen2.modeling_qwen2": "Qwen2MLP",
-}
 
 
 class SwiGLUGatedMLP(nn.Module):
@@ -48,25 +42,6 @@ class SwiGLUGatedMLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-def _gated_mlp_classes() -> tuple[type, ...]:
-    try:
-        return tuple(
-            getattr(importlib.import_module(module), name) for module, name in GATED_MLPS.items()
-        )
-    except ImportError as error:
-        raise ImportError(
-            "llmsys.kernels_swiglu.hf needs transformers: "
-            "pip install 'llmsys-kernels-swiglu[transformers]'"
-        ) from error
-
-
-def _is_silu(activation: nn.Module) -> bool:
-    from transformers import activations
-
-    silu_types = (nn.SiLU, getattr(activations, "SiLUActivation", nn.SiLU))
-    return type(activation) in silu_types
-
-
 def patch_gated_mlps(model: nn.Module) -> nn.Module:
     """Replace every Llama-, Mistral- and Qwen2-style gated MLP of ``model`` in place by a
     :class:`SwiGLUGatedMLP` over the same projections.
@@ -81,7 +56,7 @@ def patch_gated_mlps(model: nn.Module) -> nn.Module:
 
     Returns:
         ``model`` itself. The names of the patched MLPs are logged (``logging`` INFO, logger
-        ``llmsys.kernels_swiglu.hf``).
+        ``llmsys.hf.mlp``).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
@@ -91,7 +66,7 @@ def patch_gated_mlps(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_gated_mlps: `model` must be an nn.Module, got {type(model)}")
-    classes = _gated_mlp_classes()
+    classes = family_classes()["mlp"]
     found = [(name, m) for name, m in model.named_modules() if type(m) in classes]
     for name, mlp in found:
         if not name:  # the model is itself an MLP: it cannot replace itself
@@ -99,7 +74,7 @@ def patch_gated_mlps(model: nn.Module) -> nn.Module:
                 "patch_gated_mlps: `model` is itself a gated MLP; build "
                 "SwiGLUGatedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj) instead"
             )
-        if not _is_silu(mlp.act_fn):
+        if not is_silu(mlp.act_fn):
             raise ValueError(
                 f"patch_gated_mlps: the gated MLP `{name or type(mlp).__name__}` has activation "
                 f"{type(mlp.act_fn).__name__}; swiglu fuses SiLU only (hidden_act='silu'), so "
@@ -109,7 +84,7 @@ def patch_gated_mlps(model: nn.Module) -> nn.Module:
         if any(isinstance(m, SwiGLUGatedMLP) for m in model.modules()):
             logger.info("patch_gated_mlps: every gated MLP is patched already; nothing changed")
             return model
-        names = ", ".join(GATED_MLPS.values())
+        names = ", ".join(f"{prefix}MLP" for prefix in FAMILIES.values())
         raise ValueError(
             f"patch_gated_mlps: `model` ({type(model).__name__}) has no gated MLP to patch "
             f"(looked for {names})"

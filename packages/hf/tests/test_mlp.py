@@ -4,14 +4,11 @@ stock model in float64 (logits and every parameter's gradient), and the refusals
 import pytest
 import torch
 
+from llmsys.hf import SwiGLUGatedMLP, patch_gated_mlps
+from llmsys.hf import mlp as hf_mlp
 from llmsys_dev.compare import assert_matches_stock, logits_and_grads
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is an optional extra: llmsys-kernels-swiglu[transformers]"
-)
-
-from llmsys.kernels_swiglu import hf  # noqa: E402
-from llmsys.kernels_swiglu.hf import SwiGLUGatedMLP, patch_gated_mlps  # noqa: E402
+transformers = pytest.importorskip("transformers")
 
 VOCAB, LAYERS = 97, 2
 # float32 against float64; on a GPU the float32 matmuls may run TF32 (cuBLAS defaults vary)
@@ -50,8 +47,8 @@ def test_patched_models_match_the_stock_model(family, device, monkeypatch):
     assert len(mlps) == LAYERS
     # the same parameter objects under the same names: optimizers and checkpoints see no change
     assert dict(ours.named_parameters()) == parameters
-    calls, swiglu = [], hf.swiglu
-    monkeypatch.setattr(hf, "swiglu", lambda a, b: calls.append(a.shape) or swiglu(a, b))
+    calls, swiglu = [], hf_mlp.swiglu
+    monkeypatch.setattr(hf_mlp, "swiglu", lambda a, b: calls.append(a.shape) or swiglu(a, b))
 
     ids = torch.randint(0, VOCAB, (2, 9), device=device)
     weight = torch.randn(2, 9, VOCAB, device=device)
@@ -61,11 +58,11 @@ def test_patched_models_match_the_stock_model(family, device, monkeypatch):
 
 
 def test_patching_twice_changes_nothing(caplog):
-    with caplog.at_level("INFO", logger="llmsys.kernels_swiglu.hf"):
+    with caplog.at_level("INFO", logger="llmsys.hf.mlp"):
         model = patch_gated_mlps(tiny_model())
     assert "patched 2 gated MLP(s): ['model.layers.0.mlp', 'model.layers.1.mlp']" in caplog.text
     mlps = [m for m in model.modules() if isinstance(m, SwiGLUGatedMLP)]
-    with caplog.at_level("INFO", logger="llmsys.kernels_swiglu.hf"):
+    with caplog.at_level("INFO", logger="llmsys.hf.mlp"):
         assert patch_gated_mlps(model) is model
     assert "patched already; nothing changed" in caplog.text
     assert [m for m in model.modules() if isinstance(m, SwiGLUGatedMLP)] == mlps

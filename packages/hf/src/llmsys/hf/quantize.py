@@ -5,10 +5,10 @@ Quantizing each ``nn.Linear`` on its own (``quantize_linears``) quantizes the sa
 three times for q, k and v and twice for gate and up, each in a pass of its own. A rewritten
 decoder layer runs instead (each bracket is one kernel):
 
-    [RMSNorm -> int8 rows + per-token scales]          rms_norm_quantize_int8 (kernels-fused)
-    [q | k | v: one GEMM over concatenated weights]    self_attn.qkv_proj, split back as views
-    attention: q and k rotated in one launch (kernels_fused.rotary), then transformers' KV
-               cache, masks and attention implementation (kernels_fused.hf.attention_forward)
+    [RMSNorm -> int8 rows + per-token scales]          rms_norm_quantize_int8
+    [q | k | v: one GEMM over concatenated weights]    self_attn.qkv_proj, split into three views
+    attention on those views: q and k rotated in one launch, then transformers' KV cache, masks
+               and attention implementation            forwards.rotary_attention
     [o_proj: quantize + GEMM]                          an Int8Linear as quantize_linears makes
     [residual add + RMSNorm -> int8 rows + scales]     rms_norm_quantize_int8(residual=)
     [gate | up: one GEMM]                              mlp.gate_up_proj
@@ -16,17 +16,14 @@ decoder layer runs instead (each bracket is one kernel):
     [down_proj GEMM]                                   mlp.down_proj.forward_quantized
     residual add
 
-The attention's ``q_proj``, ``k_proj`` and ``v_proj`` become :class:`ProjectionSlice` views of
-the fused projection's output, which the layer passes to it in place of the normalized hidden
-states. Its forward is transformers' with the rotary embedding fused (eagerly five kernels per
-tensor, about ten launches a layer); a model with partial rotary embeddings keeps transformers'
-own. The new forwards are bound to those instances only (other models in the process keep
-transformers' code).
+The attention's ``q_proj``, ``k_proj`` and ``v_proj`` are gone: ``qkv_proj`` replaces them, and
+``qkv_widths`` says where its output splits. The new forwards are bound to those instances only
+(other models in the process keep transformers' code). The attention and the MLP, called alone,
+take float rows and quantize them per token.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import math
 import warnings
@@ -35,75 +32,71 @@ from types import MethodType
 import torch
 from torch import nn
 
-from llmsys.kernels_fused import rms_norm_quantize_int8
-from llmsys.kernels_fused.hf import attention_forward
-from llmsys.kernels_fused.hf import fits as fused_attention_fits
+from llmsys.kernels_int8 import (
+    Int8Linear,
+    quantize_int8_perrow,
+    quantize_linears,
+    rms_norm_quantize_int8,
+    silu_mul_quantize_int8,
+)
+from llmsys.kernels_int8.ops import FLOAT_DTYPES, inference_only_error
 
-from . import ops
-from .functional import quantize_int8_perrow
-from .modules import Int8Linear, quantize_linears
-from .silu_mul_quantize import silu_mul_quantize_int8
+from .families import PARTS, family_classes, is_silu
+from .forwards import rotary_attention
 
 logger = logging.getLogger(__name__)
-
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-
-
-class ProjectionSlice(nn.Module):
-    """Columns ``start:stop`` of a fused projection's output (..., width), as a view.
-
-    Stands in for ``q_proj``, ``k_proj`` or ``v_proj`` in an attention whose projections
-    ``quantize_model`` fused into ``qkv_proj``: transformers' attention forward calls
-    ``self.q_proj(hidden_states)`` on what the rewritten decoder layer passes it, the fused
-    output. Given anything of another width (the normalized hidden states of a caller that does
-    not know the layer was rewritten) it raises instead of computing a wrong projection.
-    """
-
-    def __init__(self, start: int, stop: int, width: int, fused: str) -> None:
-        super().__init__()
-        self.start, self.stop, self.width, self.fused = start, stop, width, fused
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.width:
-            raise ValueError(
-                f"ProjectionSlice: `x` must be the output of the fused {self.fused} (..., "
-                f"{self.width}), got shape {tuple(x.shape)}; a layer rewritten by quantize_model "
-                "feeds its attention the fused projection: call the decoder layer, not its "
-                "self_attn"
-            )
-        return x[..., self.start : self.stop]
-
-    def extra_repr(self) -> str:
-        return f"columns {self.start}:{self.stop} of {self.fused} (width {self.width})"
-
 
 # --- the rewritten forwards (bound to one instance each) ------------------------------------------
 
 
-def _mlp_on_rows(mlp: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _refuse_grad(x: torch.Tensor, what: str) -> None:
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise inference_only_error(f"quantize_model's {what}")
+
+
+def _attention_on_rows(attn: nn.Module, rows, scale, lead: torch.Size, **kwargs):
+    """The attention on int8 rows (M, H) and their scales (M,) of ``lead`` tokens:
+    ``(output (..., H), attention weights or None)``."""
+    qkv = attn.qkv_proj.forward_quantized(rows, scale).view(*lead, -1)  # (..., Wq + Wk + Wv)
+    query, key, value = qkv.split(attn.qkv_widths, dim=-1)  # views, read in place
+    return rotary_attention(attn, query, key, value, **kwargs)
+
+
+def _mlp_on_rows(mlp: nn.Module, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The gated MLP on int8 rows (M, H) and their scales (M,): (M, H)."""
-    gate_up = mlp.gate_up_proj.forward_quantized(q, scale)  # (M, 2I)
+    gate_up = mlp.gate_up_proj.forward_quantized(rows, scale)  # (M, 2I)
     inner = gate_up.shape[1] // 2
-    q, scale = silu_mul_quantize_int8(gate_up[:, :inner], gate_up[:, inner:])  # (M, I), (M,)
-    return mlp.down_proj.forward_quantized(q, scale)  # (M, H)
+    rows, scale = silu_mul_quantize_int8(gate_up[:, :inner], gate_up[:, inner:])  # (M, I), (M,)
+    return mlp.down_proj.forward_quantized(rows, scale)  # (M, H)
 
 
-def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float (..., H) as int8 rows (M, H) and their per-token scales (M,)."""
+    return quantize_int8_perrow(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
+
+
+def w8a8_attention_forward(self, hidden_states: torch.Tensor, **kwargs):
+    """The attention's forward on float rows, for callers of ``layer.self_attn`` alone (the
+    decoder layer feeds it int8 rows from its norm): quantize per token, then the fused path.
+    Returns ``(output, attention weights or None)`` as transformers' attention does."""
+    _refuse_grad(hidden_states, "attention")
+    rows, scale = _quantize_rows(hidden_states)
+    return _attention_on_rows(self, rows, scale, hidden_states.shape[:-1], **kwargs)
+
+
+def w8a8_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The gated MLP's forward on float rows, for callers of ``layer.mlp`` alone (the decoder
     layer feeds it int8 rows from its norm): quantize per token, then the fused path."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        raise ops.inference_only_error("quantize_model's MLP")
-    lead = x.shape[:-1]
-    q, scale = quantize_int8_perrow(x.reshape(math.prod(lead), x.shape[-1]))  # (M, H), (M,)
-    return _mlp_on_rows(self, q, scale).view(*lead, self.down_proj.out_features)
+    _refuse_grad(x, "MLP")
+    rows, scale = _quantize_rows(x)
+    return _mlp_on_rows(self, rows, scale).view(*x.shape[:-1], self.down_proj.out_features)
 
 
 def _check_hidden_states(layer: nn.Module, hidden_states) -> None:
     """Refuse what the fused path would serve wrongly or through a slower copy: gradients, a
     dtype other than the layer's, a non-contiguous tensor."""
+    _refuse_grad(hidden_states, "decoder layer")
     op = "quantize_model's decoder layer"
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
-        raise ops.inference_only_error(op)
     dtype = layer.self_attn.qkv_proj.weight_scale.dtype
     if hidden_states.dtype != dtype:
         raise TypeError(
@@ -115,53 +108,28 @@ def _check_hidden_states(layer: nn.Module, hidden_states) -> None:
         )
 
 
-def decoder_layer_forward(
-    self,
-    hidden_states: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    **kwargs,
+def w8a8_decoder_layer_forward(
+    self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
 ) -> torch.Tensor:
     """The decoder layer in W8A8: transformers' order (norm, attention, add, norm, MLP, add),
     each norm writing int8 rows for the GEMM after it. The keyword arguments (the KV cache,
-    ``use_cache``, ``position_embeddings``, ...) go to the attention as transformers' layer
-    passes them."""
+    ``position_embeddings``, ``position_ids``, ...) go to the attention as transformers' layer
+    passes them. (``forwards.float_decoder_layer_forward`` is the float one.)"""
     _check_hidden_states(self, hidden_states)
-    lead = hidden_states.shape[:-1]
     norm = self.input_layernorm
-    q, scale = rms_norm_quantize_int8(hidden_states, norm.weight, norm.variance_epsilon)
-    qkv_proj = self.self_attn.qkv_proj
-    qkv = qkv_proj.forward_quantized(q, scale).view(*lead, qkv_proj.out_features)  # (..., Wq+Wk+Wv)
-    attn, _ = self.self_attn(
-        hidden_states=qkv, attention_mask=attention_mask, position_ids=position_ids, **kwargs
+    rows, scale = rms_norm_quantize_int8(hidden_states, norm.weight, norm.variance_epsilon)
+    lead = hidden_states.shape[:-1]
+    attn, _ = _attention_on_rows(
+        self.self_attn, rows, scale, lead, attention_mask=attention_mask, **kwargs
     )  # (..., H)
     norm = self.post_attention_layernorm
-    q, scale, hidden_states = rms_norm_quantize_int8(
+    rows, scale, hidden_states = rms_norm_quantize_int8(
         attn, norm.weight, norm.variance_epsilon, residual=hidden_states
     )  # (M, H) int8, (M,), hidden + attn (..., H)
-    return hidden_states + _mlp_on_rows(self.mlp, q, scale).view(hidden_states.shape)
+    return hidden_states + _mlp_on_rows(self.mlp, rows, scale).view(hidden_states.shape)
 
 
 # --- recognising a layer --------------------------------------------------------------------------
-
-
-def _family_classes() -> dict[str, tuple[type, ...]]:
-    """transformers' decoder layer, attention, MLP and RMSNorm classes of the three families."""
-    try:
-        modules = {
-            f: importlib.import_module(f"transformers.models.{f}.modeling_{f}") for f in FAMILIES
-        }
-        from transformers.activations import ACT2FN
-    except ImportError as error:
-        raise ImportError(
-            "quantize_model needs transformers: pip install 'llmsys-kernels-int8[hf]'"
-        ) from error
-    classes = {
-        part: tuple(getattr(modules[f], prefix + part) for f, prefix in FAMILIES.items())
-        for part in ("DecoderLayer", "Attention", "MLP", "RMSNorm")
-    }
-    classes["SiLU"] = (nn.SiLU, type(ACT2FN["silu"]), type(ACT2FN["swish"]))
-    return classes
 
 
 def _float_linears(owner: nn.Module, names: tuple[str, ...]) -> str | None:
@@ -173,7 +141,7 @@ def _float_linears(owner: nn.Module, names: tuple[str, ...]) -> str | None:
             return f"{name} is {type(linear).__name__}, not nn.Linear"
     if len({linear.weight.dtype for linear in linears}) > 1:
         return f"{', '.join(names)} have different dtypes"
-    if linears[0].weight.dtype not in ops.FLOAT_DTYPES:
+    if linears[0].weight.dtype not in FLOAT_DTYPES:
         return f"{names[0]} weight is {linears[0].weight.dtype}, not float16/bfloat16/float32"
     if len({linear.in_features for linear in linears}) > 1:
         return f"{', '.join(names)} have different in_features"
@@ -182,16 +150,19 @@ def _float_linears(owner: nn.Module, names: tuple[str, ...]) -> str | None:
 
 def unfit_reason(layer: nn.Module, classes: dict[str, tuple[type, ...]]) -> str | None:
     """Why ``layer`` is not a decoder layer ``quantize_model`` can rewrite, or None if it is."""
-    if type(layer) not in classes["DecoderLayer"]:
+    if type(layer) not in classes["decoder_layer"]:
         return f"{type(layer).__name__} is not a Llama-, Mistral- or Qwen2-family decoder layer"
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    for part, module, kind in (("self_attn", attn, "Attention"), ("mlp", mlp, "MLP")):
+    for part, module, kind in (("self_attn", attn, "attention"), ("mlp", mlp, "mlp")):
         if type(module) not in classes[kind]:
-            return f"{part} is {type(module).__name__}, not a transformers {kind} of the families"
+            return (
+                f"{part} is {type(module).__name__}, not a transformers {PARTS[kind]} of the "
+                "families"
+            )
     for part in ("input_layernorm", "post_attention_layernorm"):
-        if type(getattr(layer, part, None)) not in classes["RMSNorm"]:
+        if type(getattr(layer, part, None)) not in classes["rms_norm"]:
             return f"{part} is {type(getattr(layer, part, None)).__name__}, not an RMSNorm"
-    if type(mlp.act_fn) not in classes["SiLU"]:
+    if not is_silu(mlp.act_fn):
         return f"mlp.act_fn is {type(mlp.act_fn).__name__}, not SiLU"
     groups = [
         (attn, ("q_proj", "k_proj", "v_proj")),
@@ -251,18 +222,14 @@ def _plan_layer(layer: nn.Module):
     down = Int8Linear.from_float(mlp.down_proj)
 
     def install() -> None:
+        del attn.q_proj, attn.k_proj, attn.v_proj
         attn.qkv_proj, attn.o_proj = qkv, o_proj
-        start = 0
-        for name, linear in zip(("q_proj", "k_proj", "v_proj"), projections, strict=True):
-            stop = start + linear.out_features
-            setattr(attn, name, ProjectionSlice(start, stop, qkv.out_features, "qkv_proj"))
-            start = stop
+        attn.qkv_widths = [linear.out_features for linear in projections]  # q, k, v columns
+        attn.forward = MethodType(w8a8_attention_forward, attn)
         del mlp.gate_proj, mlp.up_proj
         mlp.gate_up_proj, mlp.down_proj = gate_up, down
-        mlp.forward = MethodType(mlp_forward, mlp)
-        layer.forward = MethodType(decoder_layer_forward, layer)
-        if fused_attention_fits(attn.config):
-            attn.forward = MethodType(attention_forward, attn)
+        mlp.forward = MethodType(w8a8_mlp_forward, mlp)
+        layer.forward = MethodType(w8a8_decoder_layer_forward, layer)
 
     return install
 
@@ -276,18 +243,17 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     as another; each RMSNorm writes int8 rows and per-token scales for the GEMM after it; after
     the gate/up GEMM one row-wise kernel computes SiLU-and-mul and the per-token quantization
     for ``down_proj``. ``o_proj`` and ``down_proj`` become :class:`Int8Linear`. The scheme is
-    :func:`quantize_linears`'s (weights per output channel, activations per token), computed
-    with fewer passes. The attention rotates q and k in one launch and keeps transformers' KV
-    cache, masks and attention implementation.
+    ``quantize_linears``' (weights per output channel, activations per token), computed with
+    fewer passes. The attention reads q, k and v as views of the fused GEMM's output, rotates q
+    and k in one launch and keeps transformers' KV cache, masks and attention implementation.
 
-    Every other plain ``nn.Linear`` is swapped for an ``Int8Linear`` as :func:`quantize_linears`
+    Every other plain ``nn.Linear`` is swapped for an ``Int8Linear`` as ``quantize_linears``
     swaps it: the causal LM's ``lm_head`` (as ``quantize_linears``' default does), and the
     linears of modules it does not recognise (a decoder layer of the families with another
     activation, say, or a vision tower), with a warning that lists those.
 
     Inference only: a rewritten layer raises ``RuntimeError`` when grad mode is on and its input
-    requires grad. The rewritten layer's ``self_attn`` takes the fused q|k|v projection's output,
-    not hidden states (see :class:`ProjectionSlice`); its ``mlp`` alone still takes float rows.
+    requires grad. Its ``self_attn`` and ``mlp``, called alone, take float rows as before.
 
     Args:
         model: a transformers ``LlamaForCausalLM``, ``MistralForCausalLM`` or
@@ -295,7 +261,7 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
             layers, with float16, bfloat16 or float32 weights.
 
     Returns:
-        What was replaced (also logged at INFO by the ``llmsys.kernels_int8.model`` logger):
+        What was replaced (also logged at INFO by the ``llmsys.hf.quantize`` logger):
         ``"decoder_layers"``, the names of the rewritten layers; ``"linears"``, the other
         ``nn.Linear`` swapped for ``Int8Linear``; ``"fallback"``, the modules it did not
         recognise, whose linears are among ``"linears"`` (the warning's list).
@@ -316,10 +282,10 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
             f"quantize_model: `model` must not be quantized already, got {len(quantized)} "
             f"Int8Linear ({', '.join(quantized[:3])}{', ...' if len(quantized) > 3 else ''})"
         )
-    classes = _family_classes()
+    classes = family_classes()
     layers, rejected = [], []
     for name, module in named:
-        if type(module) in classes["DecoderLayer"]:
+        if type(module) in classes["decoder_layer"]:
             why = unfit_reason(module, classes)
             if why:
                 rejected.append((name, module, f"{type(module).__name__}: {why}"))
@@ -339,7 +305,7 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     inside = tuple(f"{name}." for name, _, _ in layers)
     rest = [(n, m) for n, m in named if type(m) is nn.Linear and not n.startswith(inside)]
     for name, linear in rest:  # quantize_linears would raise after the layers were rewritten
-        if linear.weight.dtype not in ops.FLOAT_DTYPES:
+        if linear.weight.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"quantize_model: `model` weights must be float16, bfloat16 or float32, got "
                 f"{linear.weight.dtype} in {name}; nothing was changed"

@@ -1,19 +1,16 @@
-"""``attn_implementation="llmsys_flash_attn2"`` in Hugging Face transformers models: tiny random
+"""``attn_implementation="llmsys_fa2"`` in Hugging Face transformers models: tiny random
 models against the stock model in float64 (logits, every parameter's gradient, decoding over a
 cache), and every input the kernel cannot compute refused with its reason."""
 
 import pytest
 import torch
 
+from llmsys.hf import attention as hf_attention
 from llmsys_dev.compare import assert_matches_stock, logits_and_grads, relative_error
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is an optional extra: llmsys-flash-attn2[transformers]"
-)
+transformers = pytest.importorskip("transformers")
 
-from llmsys.flash_attn2 import hf  # noqa: E402
-
-NAME = hf.register()
+NAME = hf_attention.register_flash_attention()
 VOCAB, LAYERS, HEADS, KV_HEADS = 97, 2, 4, 2
 # float32 against the float64 stock model; CUDA float32 runs TF32 dots (10-bit mantissa)
 TOL = {"cpu": 1e-4, "cuda": 1e-2}
@@ -50,14 +47,14 @@ def model_pair(device, family="llama", **overrides):
 @pytest.fixture
 def calls(monkeypatch):
     """The shapes (q, k) of every flash_attention call the models make."""
-    seen, flash_attention = [], hf.flash_attention
+    seen, flash_attention = [], hf_attention.flash_attention
 
     def spy(q, k, v, causal=False, scale=None):
         assert q.dtype == k.dtype == v.dtype
         seen.append((tuple(q.shape), tuple(k.shape), causal))
         return flash_attention(q, k, v, causal, scale)
 
-    monkeypatch.setattr(hf, "flash_attention", spy)
+    monkeypatch.setattr(hf_attention, "flash_attention", spy)
     return seen
 
 
@@ -216,10 +213,12 @@ def test_the_attention_function_refuses_what_it_cannot_apply():
     k = v = torch.randn(1, 2, 3, 16)
     mask = torch.zeros(1, 1, 3, 3)
     with pytest.raises(ValueError, match=r"explicit attention mask of shape \(1, 1, 3, 3\)"):
-        hf.attention_forward(layer, q, k, v, mask)
+        hf_attention.flash_attention_interface(layer, q, k, v, mask)
     with pytest.raises(ValueError, match="soft-capping"):
-        hf.attention_forward(layer, q, k, v, None, softcap=30.0)
+        hf_attention.flash_attention_interface(layer, q, k, v, None, softcap=30.0)
     with pytest.raises(ValueError, match="sinks"):
-        hf.attention_forward(layer, q, k, v, None, s_aux=torch.zeros(4))
+        hf_attention.flash_attention_interface(layer, q, k, v, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="bottom-right"):
-        hf.attention_forward(layer, q, torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), None)
+        hf_attention.flash_attention_interface(
+            layer, q, torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16), None
+        )

@@ -15,24 +15,24 @@ scale, split or residual would exceed by far.
 """
 
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 from torch import nn
 
+from llmsys.hf import quantize_model
+from llmsys.hf.families import FAMILIES
 from llmsys.kernels_int8 import (
     Int8Linear,
-    ProjectionSlice,
     quantize_int8_perrow,
     quantize_linears,
-    quantize_model,
     w8a8_reference_model,
 )
 
 transformers = pytest.importorskip("transformers")
-
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}  # Qwen2: q, k, v biases
 SIZES = dict(
     hidden_size=48,
     intermediate_size=80,
@@ -137,21 +137,28 @@ def test_generation_with_the_kv_cache_and_a_padding_mask(device):
 
 def test_the_attention_rotates_q_and_k_in_one_launch_per_layer(device, monkeypatch):
     """The rewritten attention calls kernels-fused's rotary once per layer (q and k together);
-    a model with partial rotary embeddings, which that kernel does not fit, keeps transformers'
-    attention forward (its logits are checked like every other's)."""
-    from llmsys.kernels_fused import hf as fused_hf
+    in a model with partial rotary embeddings, which that kernel does not fit, transformers'
+    apply_rotary_pos_emb rotates them instead, and the logits still match the reference."""
+    from llmsys.hf import forwards
 
+    calls, rotary = [], forwards.rotary
+    monkeypatch.setattr(forwards, "rotary", lambda *args: calls.append(1) or rotary(*args))
     model = tiny_model("llama", device)
     quantize_model(model)
-    calls, rotary = [], fused_hf.rotary
-    monkeypatch.setattr(fused_hf, "rotary", lambda *args: calls.append(1) or rotary(*args))
     logits(model, tokens(device))
     assert len(calls) == SIZES["num_hidden_layers"]
 
+    # Set after the model is built, its rotary embeddings stay full-width: the same arithmetic
+    # as above, through transformers' rotation.
     partial = tiny_model("llama", device)
     partial.config.partial_rotary_factor = 0.5
+    ids = tokens(device)
+    float_logits, expected = logits(partial, ids), logits(w8a8_reference_model(partial), ids)
     quantize_model(partial)
-    assert all("forward" not in layer.self_attn.__dict__ for layer in partial.model.layers)
+    calls.clear()
+    got = logits(partial, ids)
+    assert calls == []
+    assert relative_error(got, expected) <= 0.05 * relative_error(expected, float_logits)
 
 
 # --- the fused projections -----------------------------------------------------------------------
@@ -167,10 +174,11 @@ def test_concatenated_projections_split_back_exactly(device, poisoned_allocation
 
     attn, attn_before = layer.self_attn, original.self_attn
     qkv = attn.qkv_proj.forward_quantized(q, scale)  # (5, Wq + Wk + Wv)
-    for name in ("q_proj", "k_proj", "v_proj"):
+    names = ("q_proj", "k_proj", "v_proj")
+    for name, columns in zip(names, qkv.split(attn.qkv_widths, dim=-1), strict=True):
         alone = Int8Linear.from_float(getattr(attn_before, name))
-        assert isinstance(getattr(attn, name), ProjectionSlice)
-        assert torch.equal(getattr(attn, name)(qkv), alone.forward_quantized(q, scale)), name
+        assert torch.equal(columns, alone.forward_quantized(q, scale)), name
+        assert not hasattr(attn, name)  # the float weights are gone
     assert isinstance(attn.o_proj, Int8Linear)
 
     mlp, mlp_before = layer.mlp, original.mlp
@@ -200,11 +208,22 @@ def test_the_mlp_alone_takes_float_rows(device):
     assert relative_error(got, unfused) <= 0.05 * relative_error(unfused, float_out)
 
 
-def test_the_attention_alone_refuses_hidden_states(device):
+def test_the_attention_alone_takes_float_rows(device):
+    """Called alone, the rewritten attention quantizes its input per token: against transformers'
+    attention over Int8Linear projections (the same scheme, unfused)."""
     model = tiny_model("mistral", device)
+    original = copy.deepcopy(model.model.layers[0].self_attn)
+    unfused = quantize_linears(copy.deepcopy(original), include=lambda name, module: True)
     quantize_model(model)
-    with pytest.raises(ValueError, match=r"`x` must be the output of the fused qkv_proj"):
-        model.model.layers[0].self_attn.q_proj(torch.randn(1, 3, SIZES["hidden_size"]))
+    x = torch.randn(2, 3, SIZES["hidden_size"], device=device)
+    positions = torch.arange(3, device=device)[None].expand(2, 3)
+    embeddings = model.model.rotary_emb(x, positions)
+    with torch.no_grad():
+        got, _ = model.model.layers[0].self_attn(x, position_embeddings=embeddings)
+        float_out, _ = original(x, position_embeddings=embeddings, attention_mask=None)
+        expected, _ = unfused(x, position_embeddings=embeddings, attention_mask=None)
+    assert got.shape == x.shape
+    assert relative_error(got, expected) <= 0.05 * relative_error(expected, float_out)
 
 
 # --- fallback, refusals, bad arguments -----------------------------------------------------------
@@ -306,3 +325,26 @@ def test_compile_fullgraph(device):
         torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
     else:
         assert torch.equal(got, want)
+
+
+def test_kernels_int8_re_exports_it_without_importing_transformers():
+    """``llmsys.kernels_int8.quantize_model`` is this one, loaded on first use: importing
+    kernels-int8 imports neither transformers nor llmsys.hf, and without llmsys-hf the name
+    raises an ImportError that says what to install."""
+    code = """
+import sys
+import llmsys.kernels_int8 as ki
+assert "transformers" not in sys.modules and "llmsys.hf" not in sys.modules
+import llmsys.hf
+assert ki.quantize_model is llmsys.hf.quantize_model
+del sys.modules["llmsys.hf"]
+sys.modules["llmsys.hf"] = None  # as if llmsys-hf were not installed
+try:
+    ki.quantize_model
+except ImportError as error:
+    assert "pip install llmsys-hf" in str(error), error
+else:
+    raise AssertionError("no ImportError")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -1,5 +1,6 @@
-"""``llmsys.kernels_fused.hf.attention_forward`` bound to a tiny Llama's attentions gives stock's
-logits, with and without a KV cache (the forward apply_llmsys and quantize_model bind)."""
+"""``rotary_attention_forward`` bound to a tiny Llama's attentions gives stock's logits, with and
+without a KV cache (apply_llmsys binds it; quantize_model's attention runs the same
+``rotary_attention`` on its fused projection's columns)."""
 
 import copy
 from types import MethodType
@@ -7,7 +8,7 @@ from types import MethodType
 import pytest
 import torch
 
-from llmsys.kernels_fused.hf import attention_forward
+from llmsys.hf import rotary_attention_forward
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,7 +23,7 @@ def test_bound_attention_gives_stock_logits(use_cache):
     stock = transformers.LlamaForCausalLM(config).eval()
     ours = copy.deepcopy(stock)
     for layer in ours.model.layers:
-        layer.self_attn.forward = MethodType(attention_forward, layer.self_attn)
+        layer.self_attn.forward = MethodType(rotary_attention_forward, layer.self_attn)
     ids = torch.randint(0, config.vocab_size, (2, 9))
     with torch.no_grad():
         expected = stock(ids, use_cache=use_cache).logits

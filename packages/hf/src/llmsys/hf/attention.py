@@ -1,12 +1,13 @@
-"""``flash_attention`` as a Hugging Face transformers attention implementation.
+"""llmsys' ``flash_attention`` as a Hugging Face transformers attention implementation.
 
-    from llmsys.flash_attn2.hf import register
+    from llmsys.hf import register_flash_attention
 
-    register()  # once per process, before the model is built
+    register_flash_attention()  # once per process, before the model is built
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="llmsys_fa2")
 
-``register()`` adds two entries under the name ``"llmsys_fa2"``: the attention function
-to transformers' ``AttentionInterface`` and a mask function to its ``AttentionMaskInterface``.
+``register_flash_attention()`` adds two entries under the name ``"llmsys_fa2"``: the attention
+function :func:`flash_attention_interface` to transformers' ``AttentionInterface`` and the mask
+function :func:`causal_mask` to its ``AttentionMaskInterface``.
 The mask function is what keeps padding from being silently ignored: without one, transformers
 builds no mask at all for a custom implementation.
 
@@ -17,14 +18,14 @@ over a ``DynamicCache`` (decoding). Everything else needs a mask the kernel cann
 raises a ``ValueError`` saying which case it is and what to do: a padded ``attention_mask``, packed
 sequences, a static KV cache, several new tokens over a non-empty cache, a sliding window or
 attention chunk shorter than the sequence, attention dropout, logit soft-capping, attention sinks,
-or a ready-made 4-D mask. transformers is imported only here, and only when ``register`` runs.
+or a ready-made 4-D mask. transformers is imported only when ``register_flash_attention`` runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .functional import flash_attention
+from llmsys.flash_attn2 import flash_attention
 
 # Not "llmsys_flash_attn2": transformers takes any name containing "flash" for a FlashAttention
 # varlen kernel and tries to load it as one.
@@ -32,22 +33,18 @@ ATTN_IMPLEMENTATION = "llmsys_fa2"
 _FALLBACK = "use attn_implementation='sdpa' for such inputs"
 
 
-def register() -> str:
+def register_flash_attention() -> str:
     """Register ``"llmsys_fa2"`` with transformers (idempotent); returns the name.
 
     Raises:
-        ImportError: transformers is not installed
-            (``pip install 'llmsys-flash-attn2[transformers]'``).
+        ImportError: transformers is not installed (``pip install llmsys-hf``).
     """
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as error:
-        raise ImportError(
-            "llmsys.flash_attn2.hf needs transformers: "
-            "pip install 'llmsys-flash-attn2[transformers]'"
-        ) from error
-    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+        raise ImportError("llmsys.hf needs transformers: pip install llmsys-hf") from error
+    AttentionInterface.register(ATTN_IMPLEMENTATION, flash_attention_interface)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, causal_mask)
     return ATTN_IMPLEMENTATION
 
@@ -145,7 +142,7 @@ def _is_plain_causal(mask_function, batch_size, q_length, kv_length, q_offset, k
         batch_size, 1, q_length, kv_length)))  # fmt: skip
 
 
-def attention_forward(
+def flash_attention_interface(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
