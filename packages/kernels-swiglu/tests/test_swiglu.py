@@ -19,6 +19,7 @@ from llmsys.kernels_swiglu import (
     swiglu_backward_reference,
     swiglu_reference,
 )
+from llmsys.triton_launch import forget
 
 swiglu_fwd = torch.ops.llm_scaling_week.swiglu_fwd
 swiglu_bwd = torch.ops.llm_scaling_week.swiglu_bwd
@@ -410,6 +411,7 @@ def run_with_launch_config(monkeypatch, config, fn, *args):
         return config
 
     monkeypatch.setattr(ops, "launch_config", forced)
+    forget(swiglu_fwd, swiglu_bwd)  # replays launch the configuration they were recorded with
     result = fn(*args)
     assert calls, "the launcher did not ask ops.launch_config"
     return result
