@@ -35,12 +35,12 @@ def _seed() -> None:
 
 @pytest.fixture(autouse=True)
 def _no_plans_from_earlier_tests() -> None:
-    """Every test starts without recorded plans (llmsys.triton_launch.plans): a test that
+    """Every test starts without recorded plans (``llmsys.triton_launch.forget``): a test that
     patches what an impl reads (a launch configuration, a kernel helper) must meet the impl,
     not a plan another test recorded."""
     library = sys.modules.get("llmsys.triton_launch.library")
     if library is not None:
-        library.plans.forget()
+        library.forget()
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def poisoned_allocations(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     if library is None:  # no op has been defined yet, so none has a plan
         yield
         return
-    with library.plans.disabled():
+    with library.disabled():
         yield
 
 

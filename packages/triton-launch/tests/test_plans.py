@@ -2,6 +2,7 @@
 and a call the recorder cannot vouch for goes to the impl."""
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmsys.triton_launch import (
     call_below_autograd,
     define_op,
+    disabled,
+    forget,
     launch,
     library,
     plans,
@@ -20,6 +23,7 @@ from llmsys.triton_launch import (
 from llmsys.triton_launch import native as native_build
 from llmsys.triton_launch.launcher import TensorDescriptor
 from llmsys.triton_launch.plans import _NotReplayable, _Recording, _result, _source
+from llmsys.triton_launch.testing import assert_replays
 
 
 # alpha is a power of two in every test: x * alpha + 1 then rounds once, fused or not, so the
@@ -88,7 +92,9 @@ def _checked(x: torch.Tensor) -> torch.Tensor:
 
 
 _lib = torch.library.Library("llmsys_test_plans", "FRAGMENT")
-affine_op = define_op(_lib, "affine(Tensor x, float alpha) -> Tensor", _affine, torch.empty_like)
+affine_op = define_op(
+    _lib, "affine(Tensor x, float alpha) -> Tensor", _affine, torch.empty_like, replays=True
+)
 two_op = define_op(
     _lib,
     "two(Tensor x, Tensor y) -> (Tensor, Tensor?)",
@@ -141,6 +147,24 @@ def test_pointers_map_to_one_argument_or_allocation():
         _source(x.data_ptr() + 10_000_000, sources)
 
 
+def test_the_kinds_of_a_compiled_signature():
+    meta = SimpleNamespace(num_ctas=1, launch_cooperative_grid=False, launch_pdl=False)
+    meta.__dict__.update(global_scratch_size=0, profile_scratch_size=0, shared=1024)
+    meta.tensordesc_meta = None
+    compiled = SimpleNamespace(metadata=meta, src=SimpleNamespace())
+    compiled.src.signature = {"x": "*fp32", "n": "i32", "m": "i64", "f": "fp32", "B": "constexpr"}
+    assert plans._kinds(compiled) == "pilf-"
+    compiled.src.signature = {"x": "*fp32", "d": "tensordesc<fp16[64, 64]>"}
+    assert plans._kinds(compiled) is None  # passed as pointers: Triton's launcher builds it
+    meta.tensordesc_meta = [{}]
+    assert plans._kinds(compiled) == "pT"  # lowered to TMA: a plan encodes its tensor map
+    compiled.src.signature = {"x": "*fp32", "h": "fp16"}
+    assert plans._kinds(compiled) is None
+    compiled.src.signature = {"x": "*fp32"}
+    meta.global_scratch_size = 128
+    assert plans._kinds(compiled) is None
+
+
 def test_results_map_to_allocations():
     out = torch.empty(2, 3)
     assert _result(out, [out]) == (1, ((0,),))
@@ -158,7 +182,7 @@ def test_a_recorder_failure_warns_and_keeps_the_impls_result(monkeypatch):
     x = torch.randn(3)
     with pytest.warns(RuntimeWarning, match="recording .* failed .*KeyError"):
         result, plan = plans.record(lambda t: torch.empty_like(t).copy_(t), (x,))
-    assert plan is None and torch.equal(result, x)
+    assert plan == "the recorder failed (KeyError)" and torch.equal(result, x)
 
 
 def test_cpu_calls_stay_with_the_impl():
@@ -169,7 +193,7 @@ def test_cpu_calls_stay_with_the_impl():
     for _ in range(4):
         torch.testing.assert_close(affine_op(x, 2.0), x * 2 + 1)
     assert calls == ["affine"] * 4
-    assert type(library._impls[affine_op]) is plans.PythonEntry
+    assert type(library._impls[affine_op]) is library.PythonEntry
 
 
 @pytest.fixture
@@ -179,25 +203,20 @@ def cpp_module():
     user's first call."""
     if shutil.which("g++") is None and shutil.which("clang++") is None:
         pytest.skip("no C++ compiler on this machine")
-    return native_build.load(native_build.build_plans(), "native_plans")
+    return native_build.load(native_build.build())
 
 
 def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl(cpp_module):
     seen = []
-    entry = cpp_module.Plans(lambda *args: seen.append(args) or "impl", affine_op)
+    entry = cpp_module.Plans(lambda *args: seen.append(args) or "impl", affine_op, True)
     x = torch.randn(4)
+    assert entry.replays and not cpp_module.Plans(None, affine_op).replays
     assert entry(x, 2.0) == "impl" and seen == [(x, 2.0)]
-    assert entry.states() == {"planned": 0, "pending": 0, "refused": 0}
+    report = entry.report()
+    assert report["calls"] == 1 and report["replayed"] == 0 and report["planned"] == 0
+    assert "init() was not called" in report["why_not"] or "off CUDA" in report["why_not"]
     with pytest.raises(ValueError, match="no replayable signature"):
         entry.install((x, 2.0), ((), (), (0, ())))
-
-
-def _python_plain_call(args: tuple):
-    """library._plain_call's pure-Python path: the reference for native_plans.plain."""
-    if not library._thread_state_plain():
-        return None
-    requires_grad = library._plain_arguments(args)
-    return None if requires_grad is None else requires_grad and library._autograd_records()
 
 
 class _Seen(TorchDispatchMode):
@@ -210,7 +229,7 @@ def test_the_cpp_thread_state_test_agrees_with_pythons(cpp_module):
     verdicts = []
 
     def both(args, state):
-        verdicts.append((state, cpp_module.plain(args), _python_plain_call(args)))
+        verdicts.append((state, cpp_module.plain(args), library._plain_call(args)))
 
     both((x, 2.0, 3, True, None), "plain")
     both((x, w), "grad wanted")
@@ -278,7 +297,7 @@ def test_a_cpp_kernel_hands_every_argument_kind_to_the_impl_and_its_errors_back(
 
 @pytest.fixture
 def native():
-    module = plans.native_module()
+    module = library.native_module()
     if module is None:
         pytest.skip("the native_plans module could not be built here (warned why)")
     return module
@@ -298,7 +317,7 @@ def test_the_third_call_records_a_plan_and_later_calls_replay_it(native):
         out = call_below_autograd(affine_op, x, 0.5)
         torch.testing.assert_close(out, x * 0.5 + 1, rtol=0, atol=0)
     assert calls == ["affine"] * 3  # the first call, then two recordings
-    assert _entry(affine_op).states()["planned"] >= 1
+    assert _entry(affine_op).report()["planned"] >= 1
     x = torch.randn(1000, device="cuda")
     torch.testing.assert_close(affine_op(x, 0.5), x * 0.5 + 1, rtol=0, atol=0)  # by name
     assert calls == ["affine"] * 3
@@ -385,7 +404,9 @@ def test_an_impl_that_fills_or_aliases_is_never_replayed(native):
         torch.testing.assert_close(out[:128], x[:128] + 1, rtol=0, atol=0)
         assert (out[128:] == 0).all()
     assert calls == ["zeros"] * 5
-    assert _entry(zeros_op).states()["refused"] == 1
+    report = _entry(zeros_op).report()
+    assert report["refused"] == 1
+    assert report["why_not"] == "refused: the impl called aten.zeros_like.default"
     calls.clear()
     x = torch.randn(64, device="cuda")
     for _ in range(5):
@@ -428,7 +449,7 @@ def test_a_plan_replays_into_a_cuda_graph(native):
 
 
 @pytest.mark.gpu
-def test_state_forget_and_disabled_decide_what_is_replayed(native):
+def test_forget_and_disabled_decide_what_is_replayed(native):
     switch = {"alpha": 2.0}
     lib = torch.library.Library("llmsys_test_plans_state", "FRAGMENT")
     op = define_op(
@@ -436,22 +457,23 @@ def test_state_forget_and_disabled_decide_what_is_replayed(native):
         "scaled(Tensor x) -> Tensor",
         lambda x: _affine(x, switch["alpha"]),  # reads a module switch, not an argument
         torch.empty_like,
-        state=lambda: switch["alpha"],
     )
     x = torch.randn(300, device="cuda")
-    for alpha in (2.0, 4.0, 2.0, 4.0):
+    for alpha in (2.0, 4.0, 2.0):
         switch["alpha"] = alpha
+        forget(op)  # whoever swaps the switch forgets the plans recorded with the old one
         for _ in range(4):
             out = call_below_autograd(op, x)
             torch.testing.assert_close(out, x * alpha + 1, rtol=0, atol=0)
-    assert _entry(op).states()["planned"] == 2
-    plans.forget(op)
-    assert _entry(op).states() == {"planned": 0, "pending": 0, "refused": 0}
+    assert _entry(op).report()["planned"] == 1
+    forget(op)
+    assert _entry(op).report()["planned"] == 0
     calls.clear()
-    with plans.disabled():
+    with disabled():
         for _ in range(4):
             call_below_autograd(op, x)
-    assert calls == ["affine"] * 4 and _entry(op).states()["planned"] == 0
+    assert calls == ["affine"] * 4 and _entry(op).report()["planned"] == 0
+    assert _entry(op).report()["why_not"] == "replay is off (disabled())"
 
 
 @pytest.mark.gpu
@@ -461,8 +483,9 @@ def test_a_full_table_makes_room_for_new_signatures(native):
         for _ in range(4):
             out = call_below_autograd(affine_op, x, 0.5)
         torch.testing.assert_close(out, x * 0.5 + 1, rtol=0, atol=0)
-    states = _entry(affine_op).states()
-    assert 0 < states["planned"] <= 256 and sum(states.values()) <= 256
+    report = _entry(affine_op).report()
+    assert 0 < report["planned"] <= 256
+    assert report["planned"] + report["pending"] + report["refused"] <= 256
 
 
 @pytest.mark.gpu
@@ -474,3 +497,45 @@ def test_malformed_plans_are_refused_with_the_reason(native):
         entry.install((x, 1.0), ((), ((0, (1, 1, 1), 32, 0, (("p", 1, 5, 0),)),), (0, ())))
     with pytest.raises(ValueError, match="no replayable signature"):
         entry.install((x.cpu(), 1.0), ((), (), (0, ())))
+
+
+@pytest.mark.gpu
+def test_assert_replays_passes_ops_that_replay_and_names_why_one_does_not(native):
+    x = torch.randn(256, device="cuda")
+    assert_replays(lambda: call_below_autograd(affine_op, x, 2.0))  # the op made replays=True
+    assert_replays(lambda: (affine_op(x, 2.0), call_below_autograd(affine_op, x[1:], 4.0)))
+    with pytest.raises(
+        AssertionError,
+        match=r"zeros.default: 1 of 1 calls not replayed: refused: "
+        r"the impl called aten.zeros_like",
+    ):
+        assert_replays(lambda: call_below_autograd(zeros_op, x), zeros_op)
+    with pytest.raises(AssertionError, match="reached no op made with replays=True"):
+        assert_replays(lambda: call_below_autograd(zeros_op, x))
+    with pytest.raises(AssertionError, match=r"affine.default: `call` did not call it"):
+        assert_replays(lambda: call_below_autograd(zeros_op, x), affine_op)
+    hooks = triton.knobs.runtime.launch_enter_hook
+    hooks.add(print)
+    try:
+        with pytest.raises(AssertionError, match=r"not replayed: Triton's launch hooks"):
+            assert_replays(lambda: call_below_autograd(affine_op, x, 2.0))
+    finally:
+        hooks.remove(print)
+
+
+@pytest.mark.gpu
+def test_the_engine_off_gives_the_bits_of_a_replay(native):
+    # One op per kind of plan step: a copy of a strided argument and a scalar that does not
+    # round away (affine), two launches into views with a None (two), a TMA tensor map (tiles).
+    base = torch.randn(3 * 4096, device="cuda")
+    cases = [(affine_op, (base[::3], 0.3)), (two_op, (base[:900].view(3, 300), base[:900]))]
+    if TensorDescriptor is not None and torch.cuda.get_device_capability()[0] >= 9:
+        cases.append((tiles_op, (base[: 64 * 96].view(64, 96),)))
+    for op, args in cases:
+        assert_replays(lambda op=op, args=args: call_below_autograd(op, *args), op)
+        replayed = call_below_autograd(op, *args)
+        with disabled():
+            off = call_below_autograd(op, *args)
+        for r, o in zip(*(x if type(x) is tuple else (x,) for x in (replayed, off)), strict=True):
+            same_bits = r is o is None or torch.equal(r.view(torch.int32), o.view(torch.int32))
+            assert same_bits, op

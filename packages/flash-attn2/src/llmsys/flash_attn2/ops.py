@@ -361,7 +361,6 @@ flash_attn2_fwd = define_op(
     "flash_attn2_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
     flash_attn2_fwd_impl,
     _fwd_fake,
-    state=_switches,
 )
 flash_attn2_bwd = define_op(
     _lib,
@@ -369,5 +368,4 @@ flash_attn2_bwd = define_op(
     "bool causal, float scale) -> (Tensor, Tensor, Tensor)",
     flash_attn2_bwd_impl,
     _bwd_fake,
-    state=_switches,
 )

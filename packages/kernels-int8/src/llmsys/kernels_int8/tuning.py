@@ -18,7 +18,7 @@ import torch
 import triton
 
 from llmsys.triton_launch import cdiv, next_power_of_2
-from llmsys.triton_launch import plans as recorded_plans
+from llmsys.triton_launch import forget as forget_recorded_plans
 
 AUTOTUNE = os.environ.get("LLMSYS_INT8_AUTOTUNE", "1") != "0"
 TUNE_LOG = os.environ.get("LLMSYS_INT8_TUNE_LOG", "0") == "1"  # print every candidate's time
@@ -223,4 +223,4 @@ def clear_cache() -> None:
     included (the next call of each shape tunes again)."""
     _best.clear()
     plans.clear()
-    recorded_plans.forget()
+    forget_recorded_plans()

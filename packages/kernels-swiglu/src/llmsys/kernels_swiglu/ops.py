@@ -110,12 +110,10 @@ swiglu_fwd = define_op(
     "swiglu_fwd(Tensor a, Tensor b) -> Tensor",
     _swiglu_fwd,
     _swiglu_fwd_fake,
-    state=_switches,
 )
 swiglu_bwd = define_op(
     _lib,
     "swiglu_bwd(Tensor grad_out, Tensor a, Tensor b) -> (Tensor, Tensor)",
     _swiglu_bwd,
     _swiglu_bwd_fake,
-    state=_switches,
 )

@@ -3,7 +3,8 @@ packages: ``launch`` (a compiled kernel without ``JITFunction.run``'s per-call h
 ``define_op`` (the op's registration), ``wants_grad`` and ``call_below_autograd`` (how a package
 calls its ops), ``checks`` (argument checks whose errors name the argument), ``precise``
 (``exp``/``log`` that round as eager's CUDA kernels) and ``sm_count``. An op's eager calls
-replay a recorded plan in C++ after its first calls (``plans``)."""
+replay a recorded plan in C++ after its first calls (``plans``); ``forget`` and ``disabled``
+switch that per op or per block."""
 
 from . import checks, precise
 from .launcher import (
@@ -15,7 +16,14 @@ from .launcher import (
     runs_under_interpreter,
     sm_count,
 )
-from .library import call_below_autograd, define_op, refuse_double_backward, wants_grad
+from .library import (
+    call_below_autograd,
+    define_op,
+    disabled,
+    forget,
+    refuse_double_backward,
+    wants_grad,
+)
 
 __version__ = "0.7.0"
 
@@ -26,6 +34,8 @@ __all__ = [
     "cdiv",
     "checks",
     "define_op",
+    "disabled",
+    "forget",
     "kernel_path",
     "launch",
     "next_power_of_2",

@@ -14,12 +14,13 @@ public functions and its ``autograd.Function``\\ s) go to the implementation dir
 that is all the dispatcher would do, and through the op otherwise: under ``torch.compile``,
 dispatch and function modes (fake tensors), functorch transforms, ``torch.jit.trace``, the
 profiler (which then shows the op by name), and for tensor subclasses or devices other than CPU
-and CUDA (``_direct_call_ok``).
+and CUDA (``_plain_call``).
 
-Each op's calls go through its entry (``_impls``): the impl, or after the op's first CUDA call a
-``native_plans.Plans`` that replays a recorded plan of the impl where it has one (plans.py). That
-entry is then also the op's CUDA kernel, registered in C++, so a call by name that the
-dispatcher hands to CUDA replays without a trip into Python.
+Each op's calls go through its entry (``_impls``): a ``PythonEntry`` (the impl), or after the
+op's first CUDA call a ``native_plans.Plans`` that replays a recorded plan of the impl where it
+has one (plans.py records it). That entry is then also the op's CUDA kernel, registered in C++,
+so a call by name that the dispatcher hands to CUDA replays without a trip into Python.
+``forget`` and ``disabled`` are the switches a test or a benchmark needs around it.
 
 Why not ``torch.library.custom_op`` or ``triton_op``: each adds a layer of Python around every
 eager call; measured in DECISIONS.md.
@@ -27,11 +28,15 @@ eager call; measured in DECISIONS.md.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
+from functools import cache
 
 import torch
 
-from . import native, plans
+from . import launcher, native, plans
 
 # The Python kernel's keys. CUDA calls reach it through CompositeExplicitAutograd (every backend)
 # until the op's C++ entry is registered for CUDA itself, which the dispatcher then prefers:
@@ -39,21 +44,24 @@ from . import native, plans
 # the middle of the call that triggers the swap.
 KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
 
-# op (OpOverload) -> its entry: its impl, called as plans.PythonEntry or native_plans.Plans
+# op (OpOverload) -> its entry: a PythonEntry, or a native_plans.Plans after its first CUDA call
 _impls: dict = {}
 # Arguments other than tensors that cannot intercept a call (an FX Proxy, say, would).
 _PLAIN_TYPES = frozenset((int, float, bool, type(None)))
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 
 
-def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Callable, state=None):
+def define_op(
+    lib: torch.library.Library, schema: str, impl: Callable, fake: Callable, *, replays=False
+):
     """Define ``lib.ns::schema``, implement it with ``impl`` on CPU and CUDA, and register
     ``fake`` for tracing; returns the op's default overload.
 
-    ``state``: None, or a zero-argument callable returning a hashable value of everything the
-    impl reads besides its arguments that may change while a process runs (module switches, a
-    launch-configuration function a benchmark swaps): recorded plans (plans.py) are kept per
-    value, so a changed switch is never replayed with the old one's kernels."""
+    ``replays``: the op is expected to replay a recorded plan at a typical shape (its impl only
+    checks, allocates, views, copies an argument to a contiguous tensor and launches);
+    ``testing.assert_replays`` holds it to that. An impl that reads anything besides its
+    arguments that may change while a process runs (a module switch a benchmark swaps) needs
+    ``forget(op)`` from whoever changes it: a plan replays what the impl did when recorded."""
     name = schema.split("(", 1)[0]
     lib.define(schema)
     op = getattr(getattr(torch.ops, lib.ns), name).default
@@ -64,23 +72,93 @@ def define_op(lib: torch.library.Library, schema: str, impl: Callable, fake: Cal
     for key in KERNEL_KEYS:
         lib.impl(name, kernel, key)
     torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
-    _impls[op] = plans.PythonEntry(impl, op, _native_entry, state)
+    _impls[op] = PythonEntry(impl, op, replays)
     return op
 
 
-def _native_entry(entry: plans.PythonEntry):
-    """Replace ``entry`` by a ``native_plans.Plans`` of the same impl, where it can be built, and
-    register that as the op's CUDA kernel."""
-    module = plans.native_module()
-    if module is None:
+class PythonEntry:
+    """An op's impl called from Python: ``entry(*args)`` is ``impl(*args)``;
+    ``entry.below_autograd(args)`` is ``call_below_autograd``'s choice between the impl and the
+    op. ``native_plans.Plans`` has the same two calls, with replay; an entry becomes one at its
+    first call with a CUDA tensor, where the C++ module can be had."""
+
+    __slots__ = ("impl", "op", "replays", "upgradable")
+
+    def __init__(self, impl, op, replays: bool = False) -> None:
+        self.impl, self.op, self.replays, self.upgradable = impl, op, replays, True
+
+    def __call__(self, *args):
+        if self.upgradable and (upgraded := self._upgraded(args)) is not None:
+            return upgraded(*args)
+        return self.impl(*args)
+
+    def below_autograd(self, args: tuple):
+        if self.upgradable and (upgraded := self._upgraded(args)) is not None:
+            return upgraded.below_autograd(args)
+        if _plain_call(args) is False:
+            return self.impl(*args)
+        return self.op(*args)
+
+    def _upgraded(self, args: tuple):
+        """The native entry that replaces this one (registered as the op's CUDA kernel), at the
+        first call with a CUDA tensor; None where the C++ module cannot be had."""
+        if not any(type(a) is torch.Tensor and a.is_cuda for a in args):
+            return None
+        self.upgradable = False
+        module = native_module()
+        if module is None:
+            return None
+        entry = module.Plans(self.impl, self.op, self.replays)
+        entry.register_kernel(self.op._schema.name, "CUDA")
+        _impls[self.op] = entry
+        return entry
+
+
+@cache
+def native_module():
+    """The compiled ``native_plans`` module, initialized, or None (with one warning saying why)."""
+    if os.environ.get("LLMSYS_NATIVE_PLANS", "1") == "0":
         return None
-    native_entry = module.Plans(entry.impl, entry.op, entry.state)
-    native_entry.register_kernel(entry.op._schema.name, "CUDA")
-    _impls[entry.op] = native_entry
-    return native_entry
+    try:
+        module = native.load(native.build())
+        module.init(plans.record, launcher._runtime_knobs)
+        return module
+    except Exception as error:  # no C++ compiler, no headers, no driver: the impls still work
+        warnings.warn(
+            f"llmsys.triton_launch: recorded plans are unavailable ({error}); ops run their "
+            "Python impl on every call (about 8 us more per call)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
 
 
-# The thread-state tests of _direct_call_ok, bound once: an attribute chain per test per call was
+def forget(*ops) -> None:
+    """Forget the recorded plans of ``ops`` (every op when none is named): their next calls
+    record again. Call it right after changing what an impl reads besides its arguments (a
+    module switch, a patched helper, a tuner's cache), and again after restoring it."""
+    for op in ops or tuple(_impls):
+        entry = _impls.get(op)
+        if entry is None:
+            raise ValueError(f"forget: `ops` must be ops made by define_op, got {op}")
+        if type(entry) is not PythonEntry:
+            entry.clear()
+
+
+@contextmanager
+def disabled():
+    """Within this block every op runs its Python impl (nothing is replayed or recorded); for
+    tests that watch what an impl allocates, such as the poisoned-allocation fixture."""
+    module = native_module() if torch.cuda.is_available() else None  # (CPU calls never replay)
+    before = module.set_enabled(False) if module else None
+    try:
+        yield
+    finally:
+        if module:
+            module.set_enabled(before)
+
+
+# The thread-state tests of _plain_call, bound once: an attribute chain per test per call was
 # a third of its cost.
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -91,55 +169,28 @@ _profiling = torch._C._autograd._profiler_enabled
 _Tensor, _strided = torch.Tensor, torch.strided
 
 
-def _thread_state_plain() -> bool:
-    """No tracing, mode, transform or thread-local profiler on this thread."""
-    return not (
+def _plain_call(args: tuple) -> bool | None:
+    """False when the impl may be called directly with ``args``: the dispatcher, past autograd,
+    would do nothing but call it and autograd records nothing. True: a tensor requires grad and
+    autograd records. None: anything else (the op): tracing, a mode, a transform, a thread-local
+    profiler, or an argument other than a strided CPU or CUDA tensor of the Tensor class itself,
+    an int, a float, a bool or None. (``native_plans.plain`` is the same test in C++, for the
+    calls a native entry takes.)
+
+    Observers that hook into the dispatcher globally rather than per thread (a standalone
+    ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
+    (a function mode) sends every call through the op."""
+    if (
         _is_compiling()  # first: dynamo folds it and skips the rest
         or _dispatch_modes()
         or _function_mode()
         or _functorch_layers() is not None
         or _tracing_state() is not None
         or _profiling()
-    )
-
-
-_THREAD_TESTS = (  # (_is_compiling is asked first, in Python: dynamo folds it)
-    _dispatch_modes,
-    _function_mode,
-    _functorch_layers,
-    _tracing_state,
-    _profiling,
-)  # each returns a false value on a plain thread (0, False or None)
-
-
-def _plain_call(args: tuple) -> bool | None:
-    """False when the impl may be called directly with ``args``: the dispatcher, past
-    autograd, would do nothing but call it (``_direct_call_ok``) and autograd records nothing.
-    True: a tensor requires grad and autograd records. None: anything else (the op).
-
-    One C call where the C launcher is built (``native_launch.plain``, the same test); else
-    the Python below."""
-    if _is_compiling():
-        return None
-    module = native.get()
-    if module is not None:
-        return module.plain(args, _THREAD_TESTS, _autograd_records, _strided)
-    if not _thread_state_plain():
+    ):
         return None
     requires_grad = _plain_arguments(args)
     return requires_grad and _autograd_records()
-
-
-def _direct_call_ok(args: tuple) -> bool:
-    """True when the dispatcher, past autograd, would do nothing but call the op's impl: no
-    tracing, mode, transform or thread-local profiler, every tensor argument a strided tensor of
-    the Tensor class itself on CPU or CUDA, and every other argument an int, float, bool or
-    None.
-
-    Observers that hook into the dispatcher globally rather than per thread (a standalone
-    ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
-    (a function mode) sends every call through the op."""
-    return _plain_call(args) is not None
 
 
 def _plain_arguments(args: tuple) -> bool | None:

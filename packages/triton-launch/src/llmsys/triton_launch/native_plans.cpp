@@ -16,26 +16,28 @@
  *   capture is put off to a later call (a tuner does not tune there).
  * A full table (256 signatures) drops its signatures without a plan, then, if still full, all.
  *
- *   init(hooks_installed, recorder, driver)
- *       once: native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or
- *       None), and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
+ *   init(recorder, runtime_knobs)
+ *       once: plans.py's recorder(impl, args) -> (result, plan or why not), and
+ *       triton.knobs.runtime (whose launch_enter_hook is read before each replay); loads the
+ *       driver (libcuda.so.1: cuLaunchKernel, cuTensorMapEncodeTiled), so it raises without one
  *   plain(args) -> library._plain_call(args) as the entries ask it, from torch's thread-locals
  *       (False: the impl directly; True: autograd records; None: the op)
  *   set_enabled(flag) -> the previous setting: False runs every call's impl (tests that poison
  *       fresh memory); signatures are kept
- *   Plans(impl, op, state=None)
- *       state: a zero-argument callable whose value (hashable, compared by equality) joins the
- *           signature: module switches the impl reads (a kernel choice, a launch configuration)
+ *   Plans(impl, op, replays=False)
+ *       replays: define_op's declaration that the op is expected to replay (plans.replays)
  *       plans(*args): the impl's result, replayed where a plan exists (the op's Python kernel:
  *           the dispatcher has done its work)
  *       plans.register_kernel(name, key): make this entry the op's kernel for a dispatch key
  *           ("CUDA"): a call with a plan replays from the dispatcher's arguments without
  *           Python; anything else is plans(*args) with those arguments as Python objects
  *       plans.below_autograd(args): library.call_below_autograd: the impl's result (replayed
- *           where it can be) when native_launch.plain says autograd records nothing and the
+ *           where it can be) when plain(args) says autograd records nothing and the
  *           dispatcher would only call the impl; else op(*args)
  *       plans.install(args, plan): install a plan for args' signature (tests)
- *       plans.states(): {'planned': n, 'pending': n, 'refused': n}
+ *       plans.report(): {'planned', 'pending', 'refused': signatures in each state, 'calls',
+ *           'replayed': calls so far and how many replayed, 'why_not': why the last call that
+ *           was not replayed was not}
  *       plans.clear()
  *
  * A plan (plans.py builds it) is (allocations, launches, result):
@@ -43,15 +45,15 @@
  *   launches: ((function, (grid_x, grid_y, grid_z), threads, shared_bytes, params), ...), in
  *       order, where a step (index,) is a contiguous copy of argument `index` (an impl's
  *       `.contiguous()` of a strided argument),
- *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds as
- *       native_launch.c's ('p' pointer, 'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8,
+ *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds:
+ *       ('p' pointer, 'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8,
  *       'f' float32, 'd' float64, 't' a host tensor descriptor's tensor map, passed by value);
  *       source 0: the constant value; 1: the data pointer of argument `index` plus `value`
  *       bytes; 2: the same of allocation `index`; 3: of copy `index`. A 't' parameter is
  *       (kind, source, index, offset, (dtype, swizzle, fill, dims, byte strides, box)): the
  *       tensor map is encoded at each replay for the new address, as Triton's launcher encodes
  *       it (innermost dimension first). Triton's two scratch
- *       pointers (NULL) are appended, as native_launch.c does.
+ *       pointers (NULL) are appended, as Triton's launcher does.
  *   result: (0, ()) None; (1, (output,)) one tensor; (2, (output, ...)) a tuple, where an output
  *       is (allocation,) or (allocation, sizes, strides, storage_offset) for a view of it.
  *
@@ -59,6 +61,7 @@
  * goes to the impl. Kernels launch on the current stream, as the impl's would.
  */
 #include <Python.h>
+#include <structmember.h>
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -75,10 +78,11 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
+#include <dlfcn.h>
+
 #include <cstring>
 #include <memory>
-
-#include "native_slot.h"
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -94,8 +98,19 @@ typedef int (*encode_tiled_t)(void *map, int dtype, unsigned rank, void *address
                               int l2_promotion, int oob_fill);
 
 launch_kernel_t cu_launch_kernel = nullptr;
-encode_tiled_t cu_tensor_map_encode_tiled = nullptr;
-PyObject *hooks_fn, *recorder;  // NULL until init()
+encode_tiled_t cu_tensor_map_encode_tiled = nullptr;  // NULL before CUDA 12
+PyObject *recorder, *runtime_knobs;  // NULL until init()
+PyObject *enter_hook_name, *calls_name;
+
+union Slot {  // one kernel parameter's bytes, as cuLaunchKernel reads them (a pointer to each)
+    uint64_t u64;
+    int64_t i64;
+    uint32_t u32;
+    int32_t i32;
+    int8_t i8;
+    float f32;
+    double f64;
+};
 bool enabled = true;  // set_enabled(False): every call runs the impl (tests that poison memory)
 
 constexpr int MAX_PARAMS = 128;
@@ -157,8 +172,8 @@ struct Plan {
 struct Entry {
     int calls = 0;           // calls seen before the plan
     bool refused = false;    // a failed or unstable recording: the impl from now on
+    std::string why;         // (refused) why, in words
     PyObject *first = NULL;  // the first recording (a new reference)
-    PyObject *state = NULL;  // the op's state when the signature was first seen (a reference)
     std::unique_ptr<Plan> plan;
 };
 
@@ -175,10 +190,7 @@ struct SignatureHash {
 typedef std::unordered_map<Signature, Entry, SignatureHash> Table;
 
 void clear_table(Table *table) {
-    for (auto &item : *table) {
-        Py_CLEAR(item.second.first);
-        Py_CLEAR(item.second.state);
-    }
+    for (auto &item : *table) Py_CLEAR(item.second.first);
     table->clear();
 }
 
@@ -562,11 +574,16 @@ struct PlansObject {
     vectorcallfunc vectorcall;
     PyObject *impl;
     PyObject *op;
-    PyObject *state;  // a zero-argument callable, or None
+    char replays;  // define_op(replays=True): expected to replay (testing.assert_replays)
     Table *table;
+    long calls, replayed;  // since creation, for report()
+    std::string *why_not;  // why the last call that was not replayed was not
 };
 
-PyObject *call_impl(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
+/* The impl's result for a call that is not replayed, and why not. */
+PyObject *call_impl(PlansObject *self, PyObject *const *args, Py_ssize_t n, const char *why) {
+    ++self->calls;
+    *self->why_not = why;
     return PyObject_Vectorcall(self->impl, args, n, NULL);
 }
 
@@ -581,77 +598,65 @@ void make_room(Table *table) {
             continue;
         }
         Py_CLEAR(it->second.first);
-        Py_CLEAR(it->second.state);
         it = table->erase(it);
     }
     if (table->size() >= MAX_SIGNATURES) clear_table(table);
 }
 
-/* The value of the op's state callable, its hash appended to sig (a new reference), or NULL with
- * an error set. */
-PyObject *append_state(PlansObject *self, Signature &sig) {
-    PyObject *state =
-        self->state == Py_None ? Py_NewRef(Py_None) : PyObject_CallNoArgs(self->state);
-    if (state == NULL) return NULL;
-    Py_hash_t hash = PyObject_Hash(state);
-    if (hash == -1) {
-        Py_DECREF(state);
-        return NULL;
-    }
-    sig.push_back(static_cast<int64_t>(hash));
-    return state;
-}
-
-/* Whether a plan may replay now: replay on, and no Triton launch hooks (a profiler must see
- * every launch: the impl, before anything that could run Python while a plan is in use); -1
- * with an error set. */
+/* Whether a plan may replay now: replay on, and no Triton launch hooks installed (a profiler
+ * must see every launch: the impl); -1 with an error set. The hooks are
+ * triton.knobs.runtime.launch_enter_hook: a HookChain, whose list `calls` is empty by default
+ * (an older Triton: the hook itself, or None). */
 int replays_now() {
     if (!enabled) return 0;
-    PyObject *hooked = PyObject_CallNoArgs(hooks_fn);
-    if (hooked == NULL) return -1;
-    int installed = PyObject_IsTrue(hooked);
-    Py_DECREF(hooked);
+    PyObject *hook = PyObject_GetAttr(runtime_knobs, enter_hook_name);
+    if (hook == NULL) return -1;
+    PyObject *calls = PyObject_GetAttr(hook, calls_name);
+    if (calls == NULL) {
+        PyErr_Clear();
+        calls = Py_NewRef(hook);
+    }
+    int installed = PyObject_IsTrue(calls);
+    Py_DECREF(calls);
+    Py_DECREF(hook);
     return installed < 0 ? -1 : !installed;
 }
 
-/* The entry of sig, the op's state appended to it (created where `create`), or NULL: none, or
- * one whose state differs (a hash collision), or an error (set). */
-Entry *find_entry(PlansObject *self, Signature &sig, bool create) {
-    PyObject *state = append_state(self, sig);  // module switches the impl reads
-    if (state == NULL) return NULL;
+/* The entry of sig (created where `create`), or NULL: none. */
+Entry *find_entry(PlansObject *self, const Signature &sig, bool create) {
     auto found = self->table->find(sig);
-    if (found == self->table->end()) {
-        if (!create) {
-            Py_DECREF(state);
-            return NULL;
-        }
-        make_room(self->table);
-        found = self->table->emplace(sig, Entry()).first;  // (a copy: run() keeps sig)
-        found->second.state = Py_NewRef(state);
-    }
-    int same_state = PyObject_RichCompareBool(found->second.state, state, Py_EQ);
-    Py_DECREF(state);
-    return same_state > 0 ? &found->second : NULL;
+    if (found != self->table->end()) return &found->second;
+    if (!create) return NULL;
+    make_room(self->table);
+    return &self->table->emplace(sig, Entry()).first->second;  // (a copy: run() keeps sig)
 }
 
 /* The impl's result for args, replayed or recorded where the signature allows. */
 PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
     Signature sig;
     int device;
-    if (!enabled || !signature(args, n, sig, device)) return call_impl(self, args, n);
+    if (!enabled) return call_impl(self, args, n, "replay is off (disabled())");
+    if (!signature(args, n, sig, device))
+        return call_impl(self, args, n, "its arguments: a tensor off CUDA or not strided, "
+                                        "two devices, or an argument of another type");
     int now = replays_now();
-    if (now <= 0) return now < 0 ? NULL : call_impl(self, args, n);
-    Entry *found = find_entry(self, sig, true);
-    if (found == NULL) return PyErr_Occurred() ? NULL : call_impl(self, args, n);
-    Entry &entry = *found;
+    if (now <= 0)
+        return now < 0 ? NULL : call_impl(self, args, n, "Triton's launch hooks are installed");
+    Entry &entry = *find_entry(self, sig, true);
     if (entry.plan) {
         PyObject *result = replay_python(*entry.plan, args, device);
-        if (result != NULL || PyErr_Occurred()) return result;
-        return call_impl(self, args, n);
+        if (result == NULL && !PyErr_Occurred())
+            return call_impl(self, args, n, "its tensors are not on the current device");
+        self->replayed += result != NULL;
+        self->calls += result != NULL;
+        return result;
     }
-    if (entry.refused || entry.calls++ == 0) return call_impl(self, args, n);
+    if (entry.refused) return call_impl(self, args, n, entry.why.c_str());
+    if (entry.calls++ == 0) return call_impl(self, args, n, "the first call of its signature");
 
     // Calls 2 and 3: record. (The table may change while the impl runs: look the entry up again.)
+    ++self->calls;
+    *self->why_not = "a call recorded";
     PyObject *tuple = PyTuple_New(n);
     if (tuple == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; ++i) PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
@@ -677,7 +682,8 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
         Py_DECREF(data);
         return result;
     }
-    if (data == Py_None || e.refused) {
+    if (PyUnicode_Check(data) || e.refused) {
+        if (!e.refused) e.why = std::string("refused: ") + PyUnicode_AsUTF8(data);
         e.refused = true;
         Py_CLEAR(e.first);
         Py_DECREF(data);
@@ -718,6 +724,7 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
         return NULL;
     }
     e.refused = !same;
+    if (!same) e.why = "refused: its two recordings differ";
     return result;
 }
 
@@ -725,13 +732,17 @@ PyObject *plans_vectorcall(PyObject *callable, PyObject *const *args, size_t nar
                            PyObject *kwnames) {
     PlansObject *self = reinterpret_cast<PlansObject *>(callable);
     Py_ssize_t n = PyVectorcall_NARGS(nargsf);
-    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0)
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+        ++self->calls;
+        *self->why_not = "keyword arguments";
         return PyObject_Vectorcall(self->impl, args, nargsf, kwnames);
-    if (hooks_fn == NULL) return call_impl(self, args, n);
+    }
+    if (recorder == NULL) return call_impl(self, args, n, "native_plans.init() was not called");
     // Under the dispatcher the thread-state test still decides: a mode or a tracer the impl's own
     // allocations would meet sends the call to the impl.
     bool direct = plain_call(args, n) != Verdict::op;
-    return direct ? run(self, args, n) : call_impl(self, args, n);
+    return direct ? run(self, args, n)
+                  : call_impl(self, args, n, "a mode, tracer, transform or profiler is on");
 }
 
 // --- the op's registered CUDA kernel --------------------------------------------------------
@@ -851,7 +862,6 @@ class PlansKernel final : public c10::OperatorKernel {
             return false;
         }
         Entry *entry = find_entry(plans_, sig, false);
-        if (entry == NULL && PyErr_Occurred()) throw_python_error();
         if (entry == NULL || !entry->plan) return false;
         const Plan &plan = *entry->plan;
         size_t n_returns = schema.returns().size();
@@ -862,7 +872,10 @@ class PlansKernel final : public c10::OperatorKernel {
             fits = plan.outputs[i].allocation >= 0 || optional_return(schema, i);
         if (!fits) return false;  // the impl's result would fail the schema: let push_result say so
         auto tensor_at = [args](int i) -> const at::Tensor & { return args[i].toTensor(); };
-        return replay(plan, tensor_at, device, outputs);
+        bool replayed = replay(plan, tensor_at, device, outputs);
+        plans_->replayed += replayed;
+        plans_->calls += replayed;
+        return replayed;
     }
 
     PlansObject *plans_;  // a reference held for the process's life (the kernel is never removed)
@@ -896,7 +909,7 @@ PyObject *plans_below_autograd(PlansObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "Plans.below_autograd(args: tuple)");
         return NULL;
     }
-    if (hooks_fn == NULL) {
+    if (recorder == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "native_plans: init() was not called");
         return NULL;
     }
@@ -929,29 +942,24 @@ PyObject *plans_install(PlansObject *self, PyObject *const *args, Py_ssize_t n) 
             tensors = tensors && (p.source != 1 || THPVariable_Check(items[p.index]));
         if (!tensors) return fail_format("pointer (not a tensor argument)"), nullptr;
     }
-    PyObject *state = append_state(self, sig);
-    if (state == NULL) return NULL;
-    make_room(self->table);
-    Entry &entry = (*self->table)[sig];
+    Entry &entry = *find_entry(self, sig, true);
     Py_CLEAR(entry.first);
-    Py_XSETREF(entry.state, state);
     entry.refused = false;
     entry.plan = std::move(plan);
     Py_RETURN_NONE;
 }
 
-PyObject *plans_states(PlansObject *self, PyObject *) {
+PyObject *plans_report(PlansObject *self, PyObject *) {
     long planned = 0, refused = 0, pending = 0;
     for (const auto &item : *self->table) {
         if (item.second.plan) ++planned;
         else if (item.second.refused) ++refused;
         else ++pending;
     }
-    return Py_BuildValue("{s:l,s:l,s:l}", "planned", planned, "pending", pending, "refused",
-                         refused);
+    return Py_BuildValue("{s:l,s:l,s:l,s:l,s:l,s:s}", "planned", planned, "pending", pending,
+                         "refused", refused, "calls", self->calls, "replayed", self->replayed,
+                         "why_not", self->why_not->c_str());
 }
-
-
 
 PyObject *plans_clear(PlansObject *self, PyObject *) {
     clear_table(self->table);
@@ -959,28 +967,26 @@ PyObject *plans_clear(PlansObject *self, PyObject *) {
 }
 
 PyObject *plans_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *impl, *op, *state = Py_None;
-    if (!PyArg_ParseTuple(args, "OO|O:Plans", &impl, &op, &state)) return NULL;
-    if (state != Py_None && !PyCallable_Check(state)) {
-        PyErr_SetString(PyExc_TypeError, "Plans: `state` must be a callable or None");
-        return NULL;
-    }
+    PyObject *impl, *op;
+    int replays = 0;
+    if (!PyArg_ParseTuple(args, "OO|p:Plans", &impl, &op, &replays)) return NULL;
     PlansObject *self = reinterpret_cast<PlansObject *>(type->tp_alloc(type, 0));
     if (self == NULL) return NULL;
     self->vectorcall = plans_vectorcall;
     self->impl = Py_NewRef(impl);
     self->op = Py_NewRef(op);
-    self->state = Py_NewRef(state);
+    self->replays = static_cast<char>(replays);
     self->table = new Table();
+    self->why_not = new std::string("no call yet");
     return reinterpret_cast<PyObject *>(self);
 }
 
 void plans_dealloc(PlansObject *self) {
     clear_table(self->table);
     delete self->table;
+    delete self->why_not;
     Py_CLEAR(self->impl);
     Py_CLEAR(self->op);
-    Py_CLEAR(self->state);
     Py_TYPE(self)->tp_free(reinterpret_cast<PyObject *>(self));
 }
 
@@ -996,30 +1002,42 @@ PyMethodDef plans_methods[] = {
      "Register this entry as the op's kernel for a dispatch key (C++, no Python per call)."},
     {"install", (PyCFunction)(void (*)(void))plans_install, METH_FASTCALL,
      "Install a plan for the signature of args."},
-    {"states", (PyCFunction)plans_states, METH_NOARGS, "How many signatures are in each state."},
+    {"report", (PyCFunction)plans_report, METH_NOARGS,
+     "Signatures per state, calls and replays so far, and why the last call was not replayed."},
     {"clear", (PyCFunction)plans_clear, METH_NOARGS, "Forget every signature."},
     {NULL, NULL, 0, NULL},
+};
+
+PyMemberDef plans_members[] = {
+    {"replays", T_BOOL, offsetof(PlansObject, replays), READONLY,
+     "define_op(replays=True): expected to replay."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 PyTypeObject PlansType = {PyVarObject_HEAD_INIT(NULL, 0)};
 
 PyObject *init(PyObject *, PyObject *const *args, Py_ssize_t n) {
-    PyObject *launch, *encode;
-    if (n != 3 || !PyArg_ParseTuple(args[2], "OO", &launch, &encode)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "native_plans.init(hooks_installed, recorder, native_launch.driver())");
+    if (n != 2) {
+        PyErr_SetString(PyExc_TypeError, "native_plans.init(recorder, runtime_knobs)");
         return NULL;
     }
-    void *function = PyCapsule_GetPointer(launch, "cuLaunchKernel");
-    if (function == NULL) return NULL;
-    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(function);
-    if (encode != Py_None) {
-        function = PyCapsule_GetPointer(encode, "cuTensorMapEncodeTiled");
-        if (function == NULL) return NULL;
-        cu_tensor_map_encode_tiled = reinterpret_cast<encode_tiled_t>(function);
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  // (kept open for good)
+    if (driver == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "native_plans: cannot open libcuda.so.1: %s", dlerror());
+        return NULL;
     }
-    Py_XSETREF(hooks_fn, Py_NewRef(args[0]));
-    Py_XSETREF(recorder, Py_NewRef(args[1]));
+    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(dlsym(driver, "cuLaunchKernel"));
+    cu_tensor_map_encode_tiled =
+        reinterpret_cast<encode_tiled_t>(dlsym(driver, "cuTensorMapEncodeTiled"));
+    if (cu_launch_kernel == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "native_plans: libcuda has no cuLaunchKernel");
+        return NULL;
+    }
+    enter_hook_name = PyUnicode_InternFromString("launch_enter_hook");
+    calls_name = PyUnicode_InternFromString("calls");
+    if (enter_hook_name == NULL || calls_name == NULL) return NULL;
+    Py_XSETREF(recorder, Py_NewRef(args[0]));
+    Py_XSETREF(runtime_knobs, Py_NewRef(args[1]));
     Py_RETURN_NONE;
 }
 
@@ -1064,6 +1082,7 @@ PyMODINIT_FUNC PyInit_native_plans(void) {
     PlansType.tp_call = plans_call;
     PlansType.tp_vectorcall_offset = offsetof(PlansObject, vectorcall);
     PlansType.tp_methods = plans_methods;
+    PlansType.tp_members = plans_members;
     PlansType.tp_doc = "An op's impl with its recorded plans (see native_plans.cpp).";
     if (PyType_Ready(&PlansType) < 0) return NULL;
     PyObject *module = PyModule_Create(&module_def);

@@ -11,30 +11,31 @@ H100 host, DECISIONS.md). This module records what the impl did, for that file t
 contiguous copies of its arguments and refuses anything else that reaches the dispatcher (a
 fill, arithmetic, a value read back), while ``launcher`` lists its launches. The recording
 becomes a plan only when everything the impl did is one of: allocate, take a view, copy an
-argument to a contiguous tensor, launch a kernel that the C launcher can launch, return fresh
+argument to a contiguous tensor, launch a kernel that a plan can launch, return fresh
 tensors (or None). ``native_plans.cpp`` records each signature twice and keeps a plan only when
 both recordings agree, so anything that changes from call to call (a tuner's first runs, a
 counter) leaves the signature to the impl.
 
 Where the C++ module cannot be built (no C++ compiler, no torch headers, ``LLMSYS_NATIVE_PLANS=0``)
-or the tensors are not on CUDA, ops call their impl as before (``PythonEntry``).
+or the tensors are not on CUDA, ops call their impl as before (``library.PythonEntry``).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
-from contextlib import contextmanager
-from functools import cache
 from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import launcher, native
+from . import launcher
 
 aten = torch.ops.aten
 MAX_PARAMS, MAX_MAPS = 128, 8  # native_plans.cpp's limits per launch (Triton's 2 scratch included)
+MAX_SHARED_BYTES = 228 * 1024  # above this Triton asks for an oversized-shared-memory launch
+# Triton signature types -> a plan's parameter kinds (integers, floats; constexprs are none).
+_KINDS = {"i1": "b", "i32": "i", "i64": "l", "u32": "I", "u64": "L", "fp32": "f", "f32": "f"}
+_KINDS |= {"fp64": "d", "constexpr": "-"}
 # What a plan may contain besides launches: allocations, and views (metadata only).
 _ALLOCATIONS = frozenset(
     (
@@ -112,17 +113,17 @@ class _Recording(TorchDispatchMode):
 
 
 def record(impl, args: tuple) -> tuple:
-    """Run ``impl(*args)`` and record it: ``(result, plan)``, the plan None where the call
-    cannot be replayed (``native_plans.cpp`` describes the plan's layout), False where it is not
-    recorded now (during a CUDA-graph capture, where a tuner does not tune)."""
+    """Run ``impl(*args)`` and record it: ``(result, plan)`` (``native_plans.cpp`` describes the
+    plan's layout); the plan is a string saying why where the call cannot be replayed, False
+    where it is not recorded now (during a CUDA-graph capture, where a tuner does not tune)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return impl(*args), False
     with _Recording(args) as recording:
         result = impl(*args)
     try:
         return result, _plan(recording, result)
-    except _NotReplayable:
-        return result, None
+    except _NotReplayable as refusal:
+        return result, str(refusal)
     except Exception as error:  # a recorder bug must not fail the call: the impl's result stands
         warnings.warn(
             f"llmsys.triton_launch: recording {getattr(impl, '__name__', impl)} failed "
@@ -130,7 +131,7 @@ def record(impl, args: tuple) -> tuple:
             RuntimeWarning,
             stacklevel=2,
         )
-        return result, None
+        return result, f"the recorder failed ({type(error).__name__})"
 
 
 class _NotReplayable(Exception):
@@ -144,17 +145,20 @@ class _Copy(NamedTuple):
     result: torch.Tensor
 
 
-def _refuse(condition: bool) -> None:
+def _refuse(condition: bool, why: str) -> None:
     if condition:
-        raise _NotReplayable
+        raise _NotReplayable(why)
 
 
 def _plan(recording: _Recording, result) -> tuple:
-    _refuse(recording.refused is not None)
+    _refuse(recording.refused is not None, f"the impl called {recording.refused}")
     device = torch.cuda.current_device()
     allocations = recording.allocations
     for t in allocations:
-        _refuse(type(t) is not torch.Tensor or t.get_device() != device or t.storage_offset())
+        _refuse(
+            type(t) is not torch.Tensor or t.get_device() != device or t.storage_offset(),
+            "an allocation off the device or at an offset",
+        )
     copies = [step for step in recording.launches if type(step) is _Copy]
     sources = [(1, i, t) for i, t in enumerate(recording.args) if type(t) is torch.Tensor]
     sources += [(2, j, t) for j, t in enumerate(allocations)]
@@ -181,18 +185,18 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
         if launcher.TensorDescriptor and type(first) is launcher.TensorDescriptor
         else first
     )
-    _refuse(type(base) is not torch.Tensor or base.get_device() != device)
-    head = (kernel, device, num_warps, num_stages, *options.items())
-    key = native.get().key(head, tuple(args), constexprs)
-    entry = launcher._compiled.get(
-        key if key is not None else launcher._python_key(head, args, constexprs)
+    _refuse(
+        type(base) is not torch.Tensor or base.get_device() != device, "a launch off the device"
     )
-    _refuse(entry is None)
-    compiled = entry[0]
-    kinds = entry[1] or native.kinds(compiled, descriptors=True)  # descriptors: Triton's launcher
-    _refuse(kinds is None)
-    kinds = kinds.decode()
-    _refuse(len(kinds) < len(args) or kinds[len(args) :].strip("-") != "")
+    head = (kernel, device, num_warps, num_stages, *options.items())
+    compiled = launcher._compiled.get(launcher._python_key(head, args, constexprs))
+    _refuse(compiled is None, "a launch not in the cache of compiled kernels")
+    kinds = _kinds(compiled)
+    _refuse(kinds is None, "a kernel that needs Triton's own launcher (scratch, clusters, ...)")
+    _refuse(
+        len(kinds) < len(args) or kinds[len(args) :].strip("-") != "",
+        "a constexpr kernel parameter",
+    )
     maps = iter(compiled.metadata.tensordesc_meta or ())
     params = []
     for value, kind in zip(args, kinds, strict=False):
@@ -205,10 +209,46 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
             params.append(("p", *_source(address, sources)))
         else:
             params.append((kind, 0, 0, value))
-    _refuse(len(params) + 2 > MAX_PARAMS or sum(p[0] == "t" for p in params) > MAX_MAPS)
+    _refuse(
+        len(params) + 2 > MAX_PARAMS or sum(p[0] == "t" for p in params) > MAX_MAPS,
+        "too many parameters",
+    )
     grid3 = sizes + (1,) * (3 - len(sizes))
     shared = compiled.metadata.shared
     return compiled.function, grid3, 32 * compiled.metadata.num_warps, shared, tuple(params)
+
+
+def _kinds(compiled) -> str | None:
+    """One character per kernel argument, as a plan's parameters hold them (native_plans.cpp),
+    ``T`` for a host tensor descriptor the kernel lowered to TMA and ``-`` for one that is no
+    parameter (a constexpr); None when the kernel needs something only Triton's launcher does
+    (scratch buffers, clusters, cooperative grids, programmatic dependent launch, oversized
+    shared memory, a descriptor passed as pointers, a tuple, a 16-bit float scalar)."""
+    meta = compiled.metadata
+    if (
+        getattr(meta, "num_ctas", 1) != 1
+        or getattr(meta, "launch_cooperative_grid", False)
+        or getattr(meta, "launch_pdl", False)
+        or getattr(meta, "global_scratch_size", 0)
+        or getattr(meta, "profile_scratch_size", 0)
+        or meta.shared > MAX_SHARED_BYTES
+    ):
+        return None
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(signature, dict):
+        return None
+    lowered = getattr(meta, "tensordesc_meta", None)  # one entry per descriptor, or None
+    kinds = []
+    for ty in signature.values():
+        if lowered and isinstance(ty, str) and ty.startswith("tensordesc"):
+            kinds.append("T")
+        elif isinstance(ty, str) and ty.startswith("*"):
+            kinds.append("p")
+        elif _KINDS.get(ty) is None:
+            return None
+        else:
+            kinds.append(_KINDS[ty])
+    return "".join(kinds)
 
 
 def _descriptor(descriptor, meta: dict, sources: list) -> list:
@@ -217,11 +257,15 @@ def _descriptor(descriptor, meta: dict, sources: list) -> list:
     (int64). The tensor map's arguments are those of Triton's ``fill_tma_descriptor``."""
     from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
-    _refuse(type(descriptor) is not launcher.TensorDescriptor)
-    _refuse(meta.get("fp4_padded") or getattr(descriptor, "round_f32_to_tf32", False))
-    _refuse(meta.get("is_im2col", False))
+    _refuse(type(descriptor) is not launcher.TensorDescriptor, "a device tensor descriptor")
+    exotic = (
+        meta.get("fp4_padded")
+        or meta.get("is_im2col")
+        or getattr(descriptor, "round_f32_to_tf32", False)
+    )
+    _refuse(exotic, "an fp4, im2col or tf32-rounding tensor descriptor")
     shape, strides, size = list(descriptor.shape), list(descriptor.strides), meta["elem_size"]
-    _refuse(strides[-1] != 1)
+    _refuse(strides[-1] != 1, "a tensor descriptor with an inner stride")
     byte_strides = tuple(size * s for s in reversed(strides[:-1]))
     spec = (
         TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
@@ -251,30 +295,30 @@ def _span(t: torch.Tensor) -> int:
 def _source(address: int, sources: list) -> tuple[int, int, int]:
     """(source, index, byte offset) of the one argument or allocation that ``address`` points
     into; refused when none or several do."""
-    _refuse(type(address) is not int)
+    _refuse(type(address) is not int, "a pointer that is not an int")
     exact = [(kind, i) for kind, i, t in sources if t.data_ptr() == address]
     if exact:
-        _refuse(len(exact) != 1)
+        _refuse(len(exact) != 1, "a pointer into two arguments")
         return (*exact[0], 0)
     inside = [
         (k, i, address - t.data_ptr())
         for k, i, t in sources
         if 0 <= address - t.data_ptr() < _span(t)
     ]
-    _refuse(len(inside) != 1)
+    _refuse(len(inside) != 1, "a pointer into no argument or allocation, or several")
     return inside[0]
 
 
 def _output(t, allocations: list):
     if t is None:
         return None
-    _refuse(type(t) is not torch.Tensor)
+    _refuse(type(t) is not torch.Tensor, "a result that is not a tensor")
     for j, a in enumerate(allocations):
         if t is a:
             return (j,)
         if t.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() and a.numel():
             return j, tuple(t.shape), t.stride(), t.storage_offset()
-    raise _NotReplayable  # an argument returned, or a tensor from elsewhere
+    raise _NotReplayable("a result that is an argument or a tensor from elsewhere")
 
 
 def _result(result, allocations: list) -> tuple:
@@ -283,89 +327,5 @@ def _result(result, allocations: list) -> tuple:
     if type(result) is tuple:
         return 2, tuple(_output(t, allocations) for t in result)
     output = _output(result, allocations)
-    _refuse(output is None)
+    _refuse(output is None, "None as the only result")
     return 1, (output,)
-
-
-# --- the entries library.py keeps per op ---------------------------------------------------------
-
-
-class PythonEntry:
-    """An op's impl called from Python: ``entry(*args)`` is ``impl(*args)``;
-    ``entry.below_autograd(args)`` is ``library.call_below_autograd``'s choice between the impl
-    and the op. ``native_plans.Plans`` has the same two calls, with replay; an entry becomes one
-    at its first call with a CUDA tensor, where the C++ module can be had. ``state``: None, or
-    a zero-argument callable whose value joins a plan's signature (``define_op``)."""
-
-    __slots__ = ("impl", "op", "state", "upgrade")
-
-    def __init__(self, impl, op, upgrade, state=None) -> None:
-        self.impl, self.op, self.upgrade, self.state = impl, op, upgrade, state
-
-    def __call__(self, *args):
-        if self.upgrade is not None and (upgraded := self._upgraded(args)) is not None:
-            return upgraded(*args)
-        return self.impl(*args)
-
-    def below_autograd(self, args: tuple):
-        if self.upgrade is not None and (upgraded := self._upgraded(args)) is not None:
-            return upgraded.below_autograd(args)
-        from .library import _plain_call  # (library imports this module)
-
-        if _plain_call(args) is False:
-            return self.impl(*args)
-        return self.op(*args)
-
-    def _upgraded(self, args: tuple):
-        """The native entry that replaces this one, at the first call with a CUDA tensor."""
-        if not any(type(a) is torch.Tensor and a.is_cuda for a in args):
-            return None
-        upgrade, self.upgrade = self.upgrade, None
-        return upgrade(self)
-
-
-@cache
-def native_module():
-    """The compiled ``native_plans`` module, initialized, or None (with one warning saying why)."""
-    if os.environ.get("LLMSYS_NATIVE_PLANS", "1") == "0":
-        return None
-    launch_module = native.get()
-    if launch_module is None:
-        return None
-    try:
-        module = native.load(native.build_plans(), "native_plans")
-        module.init(launch_module.hooks_installed, record, launch_module.driver())
-        return module
-    except Exception as error:  # no C++ compiler, no headers, no driver: the impls still work
-        warnings.warn(
-            f"llmsys.triton_launch: recorded plans are unavailable ({error}); ops run their "
-            "Python impl on every call (about 8 us more per call)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-
-
-def forget(*ops) -> None:
-    """Forget the recorded plans of ``ops`` (every op when none is named): their next calls
-    record again. For code that changes what an impl reads outside its arguments (a tuner's
-    cache, a patched helper) without a ``state`` that says so."""
-    from .library import _impls  # (library imports this module)
-
-    for op in ops or tuple(_impls):
-        entry = _impls.get(op)
-        if hasattr(entry, "clear"):
-            entry.clear()
-
-
-@contextmanager
-def disabled():
-    """Within this block every op runs its Python impl (nothing is replayed or recorded); for
-    tests that watch what an impl allocates, such as the poisoned-allocation fixture."""
-    module = native_module() if torch.cuda.is_available() else None  # (CPU calls never replay)
-    before = module.set_enabled(False) if module else None
-    try:
-        yield
-    finally:
-        if module:
-            module.set_enabled(before)
