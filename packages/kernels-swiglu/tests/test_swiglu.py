@@ -121,7 +121,7 @@ def test_forward_random_shapes(shape, dtype, device):
 
 def test_nan_poison_reaches_outputs(monkeypatch, device, poisoned_allocations):
     # Guards the fixture itself: with the kernel launch removed, the output must be all NaN.
-    monkeypatch.setattr(ops, "_launch", lambda *args: None)
+    monkeypatch.setattr(ops, "_launch", lambda *args: None)  # (replays are off meanwhile)
     a, b = rand_pair((13,), torch.float32, device)
     assert torch.isnan(swiglu_fwd(a, b)).all()
 

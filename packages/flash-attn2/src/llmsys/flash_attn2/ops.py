@@ -349,18 +349,13 @@ def _bwd_fake(grad_out, q, k, v, out, lse, causal, scale):
     return tuple(t.new_empty(t.shape) for t in (q, k, v))
 
 
-def _switches() -> tuple:
-    """The module switches the impls read besides their arguments (tests and the sweep's
-    ``previous`` provider set them): a recorded plan is kept per value (``define_op``)."""
-    return FORWARD_KERNEL, DOT_PRECISION, FOLD_SCALE, tile_configs
-
-
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 flash_attn2_fwd = define_op(
     _lib,
     "flash_attn2_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
     flash_attn2_fwd_impl,
     _fwd_fake,
+    replays=True,
 )
 flash_attn2_bwd = define_op(
     _lib,
@@ -368,4 +363,5 @@ flash_attn2_bwd = define_op(
     "bool causal, float scale) -> (Tensor, Tensor, Tensor)",
     flash_attn2_bwd_impl,
     _bwd_fake,
+    replays=True,
 )

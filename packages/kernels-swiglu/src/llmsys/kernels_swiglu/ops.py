@@ -98,22 +98,18 @@ def _swiglu_bwd_fake(grad_out, a, b):
     return empty, torch.empty_like(empty)
 
 
-def _switches():
-    """What the impls read besides their arguments: ``launch_config``, which the sweep's
-    ``previous`` provider swaps; a recorded plan is kept per value (``define_op``)."""
-    return launch_config
-
-
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 swiglu_fwd = define_op(
     _lib,
     "swiglu_fwd(Tensor a, Tensor b) -> Tensor",
     _swiglu_fwd,
     _swiglu_fwd_fake,
+    replays=True,
 )
 swiglu_bwd = define_op(
     _lib,
     "swiglu_bwd(Tensor grad_out, Tensor a, Tensor b) -> (Tensor, Tensor)",
     _swiglu_bwd,
     _swiglu_bwd_fake,
+    replays=True,
 )
