@@ -70,7 +70,7 @@ def _program_tile(n_rows, BLOCK: tl.constexpr, REVERSED: tl.constexpr, HEAD_MAJO
     The grid is (heads, tiles): one tile of every head is handed out before the next tile; or,
     HEAD_MAJOR, 1-D: all tiles of one head come first, so the programs running at the same time
     share that head's k and v (or q and dO) in L2. Which order is faster depends on the kernel
-    and head dim (tile tables in ops.py). Each order is written in the form that measured fastest
+    and head dim (tile tables in tuning.py). Each order is written in the form that measured fastest
     on an H100: the head-major order as a 2-D (tiles, heads) grid ran the d = 64 dK/dV kernel
     7% slower than this 1-D form, and the (heads, tiles) order as a 1-D grid ran d = 128's 8%
     slower (DECISIONS.md, section 5).

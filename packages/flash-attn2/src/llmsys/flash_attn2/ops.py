@@ -13,6 +13,12 @@ check their arguments (``check_inputs``); the public functions check only what t
 would reject before them (non-tensors), so each call validates once.
 CUDA tensors run the Triton kernels; CPU tensors run them under ``TRITON_INTERPRET=1`` and
 otherwise fall back to the plain-PyTorch FlashAttention-2 of ``flash_torch``.
+
+The impls decide the launch on every call; on CUDA, a recorded replay (``llmsys.triton_launch``)
+repeats that decision per signature. Code that changes a module switch the impls read
+(``FORWARD_KERNEL``, ``DOT_PRECISION``, ``FOLD_SCALE``, ``tile_configs``) calls
+``llmsys.triton_launch.forget(flash_attn2_fwd, flash_attn2_bwd)`` after the change and after
+undoing it.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ def launch_config(n_elements: int) -> tuple[int, int]:
     against 2.7 at 4096). From 2**20 elements in whole programs of 4096 (1024x1024), and from
     2**24 elements at any size, 4096 per program on 8 warps: the configuration before 0.3.0
     there, which ran 1024x1024 bf16 6-11% faster than 512 (kernels-swiglu sweep, 2026-11-26).
+    Code that replaces it calls ``llmsys.triton_launch.forget(swiglu_fwd, swiglu_bwd)`` after
+    the change and after undoing it: a recorded replay launches the configuration it recorded.
     """
     if n_elements >= 1 << 24 or (n_elements >= 1 << 20 and n_elements % 4096 == 0):
         return 4096, 8
