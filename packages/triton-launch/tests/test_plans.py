@@ -2,6 +2,7 @@
 and a call the recorder cannot vouch for goes to the impl."""
 
 import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -94,6 +95,15 @@ def _checked(x: torch.Tensor) -> torch.Tensor:
 _lib = torch.library.Library("llmsys_test_plans", "FRAGMENT")
 affine_op = define_op(
     _lib, "affine(Tensor x, float alpha) -> Tensor", _affine, torch.empty_like, replays=True
+)
+
+
+def _affine_setup(ctx, inputs, output):
+    ctx.alpha = inputs[1]
+
+
+torch.library.register_autograd(
+    affine_op, lambda ctx, grad: (grad * ctx.alpha, None), setup_context=_affine_setup, lib=_lib
 )
 two_op = define_op(
     _lib,
@@ -290,6 +300,52 @@ def test_a_cpp_kernel_hands_every_argument_kind_to_the_impl_and_its_errors_back(
     with pytest.raises(ValueError, match="`mode` must not be 'bad'"):
         op(x, [0], "bad", x)
     assert "native_plans.Plans" in torch._C._dispatch_dump("llmsys_test_kernel::kinds")
+
+
+def _triple(x):
+    return x * 3
+
+
+_autograd_lib = torch.library.Library("llmsys_test_autograd", "DEF")
+_autograd_lib.define("triple(Tensor x) -> Tensor")
+_autograd_lib.impl("triple", _triple, "CPU")
+torch.library.register_autograd(
+    "llmsys_test_autograd::triple", lambda ctx, grad: grad * 3, lib=_autograd_lib
+)
+
+
+def _python_calls(call) -> tuple:
+    """``call()``'s result and the names of the Python functions it entered."""
+    names = []
+    sys.setprofile(lambda frame, event, arg: event == "call" and names.append(frame.f_code.co_name))
+    try:
+        result = call()
+    finally:
+        sys.setprofile(None)
+    return result, names
+
+
+def test_the_cpp_autograd_kernel_skips_pythons_where_autograd_records_nothing(cpp_module):
+    # register_autograd puts the C++ kernel in front of torch's Python autograd kernel (for CUDA
+    # in define_op; CPU here): calls that record nothing skip it, the others reach the formula.
+    op = torch.ops.llmsys_test_autograd.triple.default
+    cpp_module.register_autograd("llmsys_test_autograd::triple", "AutogradCPU")
+    assert "llmsys native_plans autograd" in torch._C._dispatch_dump("llmsys_test_autograd::triple")
+    x = torch.randn(5)
+    leaf = torch.randn(5, requires_grad=True)
+    for grad_free in (lambda: op(x), lambda: torch.no_grad()(op)(leaf)):
+        out, names = _python_calls(grad_free)
+        assert "autograd_impl" not in names and "_triple" in names
+        assert not out.requires_grad
+    with torch._C._AutoDispatchBelowAutograd():
+        assert not op(leaf).requires_grad
+    torch.testing.assert_close(op(x), x * 3, rtol=0, atol=0)
+    out, names = _python_calls(lambda: op(leaf))
+    assert "autograd_impl" in names  # torch's kernel: the register_autograd formula
+    v = torch.randn(5)
+    (grad,) = torch.autograd.grad(out, leaf, v)
+    torch.testing.assert_close(grad, v * 3, rtol=0, atol=0)
+    torch.testing.assert_close(out, leaf.detach() * 3, rtol=0, atol=0)
 
 
 # --- on a GPU: replay --------------------------------------------------------------------------
@@ -528,7 +584,8 @@ def test_the_engine_off_gives_the_bits_of_a_replay(native):
     # One op per kind of plan step: a copy of a strided argument and a scalar that does not
     # round away (affine), two launches into views with a None (two), a TMA tensor map (tiles).
     base = torch.randn(3 * 4096, device="cuda")
-    cases = [(affine_op, (base[::3], 0.3)), (two_op, (base[:900].view(3, 300), base[:900]))]
+    other = torch.randn(3, 300, device="cuda")  # (arguments that share memory are refused)
+    cases = [(affine_op, (base[::3], 0.3)), (two_op, (other, base[:900]))]
     if TensorDescriptor is not None and torch.cuda.get_device_capability()[0] >= 9:
         cases.append((tiles_op, (base[: 64 * 96].view(64, 96),)))
     for op, args in cases:
@@ -539,3 +596,20 @@ def test_the_engine_off_gives_the_bits_of_a_replay(native):
         for r, o in zip(*(x if type(x) is tuple else (x,) for x in (replayed, off)), strict=True):
             same_bits = r is o is None or torch.equal(r.view(torch.int32), o.view(torch.int32))
             assert same_bits, op
+
+
+@pytest.mark.gpu
+def test_the_op_by_name_replays_without_grad_and_differentiates_with_it(native):
+    x = torch.randn(300, device="cuda")
+    assert_replays(lambda: affine_op(x, 0.5), affine_op)  # past torch's Python autograd kernel
+    dump = torch._C._dispatch_dump("llmsys_test_plans::affine")
+    assert "llmsys native_plans autograd" in dump and "native_plans.Plans" in dump
+    leaf = torch.randn(300, device="cuda", requires_grad=True)
+    v = torch.randn(300, device="cuda")
+    for _ in range(4):  # recorded and replayed below the formula, as without grad
+        out = affine_op(leaf, 0.5)
+        (grad,) = torch.autograd.grad(out, leaf, v)
+        torch.testing.assert_close(out, leaf.detach() * 0.5 + 1, rtol=0, atol=0)
+        torch.testing.assert_close(grad, v * 0.5, rtol=0, atol=0)
+    with torch.no_grad():
+        assert not affine_op(leaf, 0.5).requires_grad

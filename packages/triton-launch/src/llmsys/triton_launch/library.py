@@ -100,8 +100,10 @@ class PythonEntry:
         return self.op(*args)
 
     def _upgraded(self, args: tuple):
-        """The native entry that replaces this one (registered as the op's CUDA kernel), at the
-        first call with a CUDA tensor; None where the C++ module cannot be had."""
+        """The native entry that replaces this one, at the first call with a CUDA tensor; None
+        where the C++ module cannot be had. It becomes the op's CUDA kernel, and where the op has
+        a ``register_autograd`` formula, a C++ kernel in front of torch's autograd kernel for
+        CUDA sends calls that autograd does not record straight to it."""
         if not any(type(a) is torch.Tensor and a.is_cuda for a in args):
             return None
         self.upgradable = False
@@ -109,7 +111,10 @@ class PythonEntry:
         if module is None:
             return None
         entry = module.Plans(self.impl, self.op, self.replays)
-        entry.register_kernel(self.op._schema.name, "CUDA")
+        name = self.op._schema.name
+        entry.register_kernel(name, "CUDA")
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"):
+            module.register_autograd(name, "AutogradCUDA")
         _impls[self.op] = entry
         return entry
 
