@@ -361,7 +361,7 @@ flash_attn2_fwd = define_op(
     "flash_attn2_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor, Tensor)",
     flash_attn2_fwd_impl,
     _fwd_fake,
-    replays=True,
+    replays=True,  # non-empty inputs; empty ones fill their outputs
 )
 flash_attn2_bwd = define_op(
     _lib,
@@ -369,5 +369,5 @@ flash_attn2_bwd = define_op(
     "bool causal, float scale) -> (Tensor, Tensor, Tensor)",
     flash_attn2_bwd_impl,
     _bwd_fake,
-    replays=True,
+    replays=True,  # non-empty inputs, grad_out in q's dtype
 )
