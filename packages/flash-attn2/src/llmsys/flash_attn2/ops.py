@@ -246,8 +246,7 @@ def _tma_forward_applies(q, k, v) -> bool:
 
 
 def _launch_forward(q, k, v, out, lse, causal: bool, scale: float) -> None:
-    """Launch the forward on 4-D views of checked inputs; writes ``out`` (contiguous) and
-    ``lse``."""
+    """Launch the forward on 4-D views of checked inputs, writing ``out`` and ``lse``."""
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
     sizes = (heads, heads // kv_heads, n_q, n_k, float(scale))
