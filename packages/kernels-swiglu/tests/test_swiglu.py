@@ -411,7 +411,7 @@ def run_with_launch_config(monkeypatch, config, fn, *args):
         return config
 
     monkeypatch.setattr(ops, "launch_config", forced)
-    forget(ops.swiglu_fwd, ops.swiglu_bwd)  # replays launch the configuration they were recorded with
+    forget(ops.swiglu_fwd, ops.swiglu_bwd)  # a replay launches the configuration it recorded
     result = fn(*args)
     assert calls, "the launcher did not ask ops.launch_config"
     return result
