@@ -18,6 +18,7 @@ speed-up over SDPA's cuDNN backend where it ran, else SDPA flash's, else naive's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 import llmsys.bench_harness as harness
 import llmsys.flash_attn2 as fa
 from llmsys.flash_attn2 import ops
+from llmsys.triton_launch import forget
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -153,17 +155,19 @@ def ours(q, k, v, causal: bool = True):
     return fa.flash_attention(q, k, v, causal=causal)
 
 
-_previous_plans: dict = {}  # the previous provider's own plans (ops keys them by problem only)
-
-
-def previous(q, k, v, causal: bool = True):
-    """Ours with the forward kernel of 0.1 (pointer loads, no TMA): the regression check."""
-    current, plans = ops.FORWARD_KERNEL, ops._forward_plans
-    ops.FORWARD_KERNEL, ops._forward_plans = "pointer", _previous_plans
+@contextlib.contextmanager
+def previous_forward():
+    """The ``previous`` provider is ours with the forward kernel of 0.1 (pointer loads, no TMA),
+    set for the block: the regression check. The ops' recorded replays are forgotten when the
+    switch changes, as they launch the kernel they were recorded with."""
+    current = ops.FORWARD_KERNEL
+    ops.FORWARD_KERNEL = "pointer"
+    forget(ops.flash_attn2_fwd)
     try:
-        return fa.flash_attention(q, k, v, causal=causal)
+        yield
     finally:
-        ops.FORWARD_KERNEL, ops._forward_plans = current, plans
+        ops.FORWARD_KERNEL = current
+        forget(ops.flash_attn2_fwd)
 
 
 @functools.cache
@@ -192,7 +196,7 @@ def providers(device: str, case: Case, full: bool) -> dict:
         found["sdpa_cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
     found["ours"] = ours
     if device == "cuda":
-        found["previous"] = previous
+        found["previous"] = ours  # under previous_forward()
     return found
 
 
@@ -287,10 +291,10 @@ def iter_rows(device: str, quick: bool, full: bool, only_dtype: torch.dtype | No
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # float32 naive attention gets TF32 too
     for case in cases(device, quick, full, only_dtype):
-        timings = {
-            name: time_provider(fn, case, device)
-            for name, fn in providers(device, case, full).items()
-        }
+        timings = {}
+        for name, fn in providers(device, case, full).items():
+            with previous_forward() if name == "previous" else contextlib.nullcontext():
+                timings[name] = time_provider(fn, case, device)
         rate = ceiling(device, case.dtype)
         rows = []
         for mode in case.modes:

@@ -4,8 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from llmsys.flash_attn2 import attention_reference
+from llmsys.flash_attn2 import attention_reference, ops
+from llmsys.triton_launch import forget
 from llmsys_dev.compare import relative_error
+
+
+def set_switch(monkeypatch, name: str, value) -> None:
+    """``ops.<name> = value`` (a module switch the ops' impls read) until ``monkeypatch`` undoes
+    it, and the ops' recorded replays forgotten, as they were recorded with the old value. (The
+    root conftest forgets them again before the next test.)"""
+    monkeypatch.setattr(ops, name, value)
+    forget(ops.flash_attn2_fwd, ops.flash_attn2_bwd)
+
+
+def spy_on_launches(monkeypatch) -> list[tuple]:
+    """From now on, (kernel, constexprs) of every launch of the ops' impls, in order."""
+    launched, launch = [], ops.launch
+
+    def spy(kernel, grid, args, constexprs, *rest, **options):
+        launched.append((kernel, constexprs))
+        launch(kernel, grid, args, constexprs, *rest, **options)
+
+    monkeypatch.setattr(ops, "launch", spy)
+    return launched
 
 
 def make_qkv(q_shape, kv_shape, dtype=torch.float32, device="cpu", scale=1.0):

@@ -15,6 +15,8 @@ from attn_helpers import (
     reference_with_grads,
     relative_error,
     run_with_grads,
+    set_switch,
+    spy_on_launches,
 )
 
 from llmsys.flash_attn2 import FlashAttention2Triton, attention_reference, flash_attention, ops
@@ -96,7 +98,7 @@ def test_explicit_scale(scale, causal, device, poisoned_allocations, monkeypatch
     # 150 keys: unmasked tiles too, where a positive scale is folded into the exponent's FMA;
     # scores spread over hundreds, so a row max taken on the wrong side would overflow exp2.
     # Full-precision fp32 dots (not TF32) so that only the kernel's logic is under test.
-    monkeypatch.setattr(ops, "DOT_PRECISION", "ieee")
+    set_switch(monkeypatch, "DOT_PRECISION", "ieee")
     shape = (1, 1, 150, 16)
     check_against_spec(shape, shape, causal, torch.float32, device, scale, input_scale=3.0)
 
@@ -146,9 +148,7 @@ def test_tile_configs_agree(tiles, causal, device, monkeypatch, poisoned_allocat
     q, k, v = make_qkv((2, 2, 45, 16), (2, 1, 38, 16), device=device)
     grad_out = torch.randn(2, 2, 45, 16, device=device)
     default = run_with_grads(attention_fn(causal), q, k, v, grad_out)
-    monkeypatch.setattr(ops, "tile_configs", lambda *args: SMALL_TILES[tiles])
-    ops._forward_plans.clear()  # the default call's plans would serve the same problem
-    ops._backward_plans.clear()
+    set_switch(monkeypatch, "tile_configs", lambda *args: SMALL_TILES[tiles])
     forced = run_with_grads(attention_fn(causal), q, k, v, grad_out)
     tol = 1e-5 if device == "cpu" else 5e-3  # the summation order differs; TF32 on a GPU
     for a, b in zip(forced, default, strict=True):
@@ -173,8 +173,8 @@ def test_both_program_orders_give_identical_results(device, monkeypatch, poisone
     def run(head_major: bool, max_grid_y: int = ops.MAX_GRID_Y):
         tiles = ops.TileConfig(16, 16, head_major=head_major)
         with monkeypatch.context() as patch:
-            patch.setattr(ops, "tile_configs", lambda *args: (tiles, tiles, tiles))
-            patch.setattr(ops, "MAX_GRID_Y", max_grid_y)
+            set_switch(patch, "tile_configs", lambda *args: (tiles, tiles, tiles))
+            set_switch(patch, "MAX_GRID_Y", max_grid_y)
             return run_with_grads(attention_fn(True), q, k, v, grad_out)
 
     head_minor = run(False)
@@ -188,7 +188,7 @@ def test_cpu_fallback_matches_triton(monkeypatch):
     q, k, v = make_qkv((2, 4, 21, 16), (2, 2, 26, 16))
     grad_out = torch.randn(2, 4, 21, 16)
     triton_path = run_with_grads(attention_fn(True), q, k, v, grad_out)
-    monkeypatch.setattr(ops, "CPU_RUNS_TRITON", False)
+    set_switch(monkeypatch, "CPU_RUNS_TRITON", False)
     fallback = run_with_grads(attention_fn(True), q, k, v, grad_out)
     for a, b in zip(fallback, triton_path, strict=True):
         assert relative_error(a, b) <= 1e-5
@@ -257,20 +257,17 @@ def test_inputs_are_not_modified(device):
 
 def test_nan_poison_reaches_outputs(monkeypatch, device, poisoned_allocations):
     # Guards the fixture itself: with the kernel launch removed, the output must be all NaN.
-    monkeypatch.setattr(ops.Launch, "__call__", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ops, "launch", lambda *args, **kwargs: None)
     q, k, v = make_qkv((1, 1, 13, 16), (1, 1, 13, 16), device=device)
     assert torch.isnan(flash_attention(q, k, v)).all()
-    assert torch.isnan(flash_attention(q, k, v)).all()  # and from the problem's plan
 
 
-def test_a_planned_forward_is_replanned_when_the_problem_changes(device, poisoned_allocations):
-    """A repeated problem takes its plan; a change of shape, layout, head count, causal or the
-    scale's sign is a new one, and every output equals the reference."""
-    ops._forward_plans.clear()
+def test_every_change_of_problem_gives_the_spec(device):
+    """A repeated problem (replayed on a GPU once recorded), then a change of shape, layout,
+    head count, causal or the scale's sign: every output equals the reference."""
     q, k, v = (t.detach() for t in make_qkv((1, 2, 33, 16), (1, 2, 40, 16), device=device))
     problems = [
-        (q, k, v, True, None),
-        (q, k, v, True, None),  # planned
+        *[(q, k, v, True, None)] * 4,  # recorded, then replayed on a GPU
         (q[:, :, :20], k, v, True, None),  # N_q
         (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True, None),  # q's strides
         (q, k[:, :1], v[:, :1], True, None),  # grouped-query heads
@@ -282,7 +279,6 @@ def test_a_planned_forward_is_replanned_when_the_problem_changes(device, poisone
         out = flash_attention(q_, k_, v_, causal=causal, scale=scale)
         expected, _ = attention_reference(q_, k_, v_, causal, scale, upcast=True)
         assert_matches_spec((out,), (expected,), q.dtype, device, names=("out",))
-    assert len(ops._forward_plans) == len(problems) - 1
 
 
 @pytest.mark.parametrize(
@@ -290,19 +286,17 @@ def test_a_planned_forward_is_replanned_when_the_problem_changes(device, poisone
     [((1, 4, 33, 16), (1, 2, 33, 16)), ((2, 21, 16), (2, 40, 16))],
     ids=["gqa", "3-D"],
 )
-def test_a_planned_backward_gives_the_spec_on_every_call(q_shape, kv_shape, device):
-    """Fresh inputs three times per problem (the later calls take the forward's and the
-    backward's plans), the last with the stride-0 gradient of ``out.sum()``."""
-    ops._backward_plans.clear()
-    for call in range(3):
+def test_a_repeated_backward_gives_the_spec_on_every_call(q_shape, kv_shape, device):
+    """Fresh inputs five times per problem (recorded, then replayed on a GPU), the last with the
+    stride-0 gradient of ``out.sum()``."""
+    for call in range(5):
         q, k, v = make_qkv(q_shape, kv_shape, device=device)
         grad_out = torch.randn(q_shape, device=device)
-        if call == 2:
+        if call == 4:
             grad_out = torch.ones(1, device=device).expand(q_shape)
         got = run_with_grads(attention_fn(True), q, k, v, grad_out)
         ref_out, _, *ref_grads = reference_with_grads(q, k, v, grad_out, True)
         assert_matches_spec(got, (ref_out, *ref_grads), torch.float32, device)
-    assert len(ops._backward_plans) == 2  # the dense and the stride-0 gradient
 
 
 @pytest.mark.parametrize("kernel", ["tma", "pointer"])
@@ -321,32 +315,36 @@ def test_each_forward_kernel_gives_the_spec(
 ):
     """The TMA forward (tensor descriptors; the interpreter emulates the copy engine) and the
     pointer forward, each forced, on odd lengths, grouped-query heads and 3-D inputs."""
-    monkeypatch.setattr(ops, "FORWARD_KERNEL", kernel)
-    ops._forward_plans.clear()
+    set_switch(monkeypatch, "FORWARD_KERNEL", kernel)
+    launched = spy_on_launches(monkeypatch)
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     q, k, v = (t.detach() for t in make_qkv(q_shape, kv_shape, dtype, device))
     out = flash_attention(q, k, v, causal=causal)
     expected, _ = attention_reference(q, k, v, causal, None, upcast=True)
     assert_matches_spec((out,), (expected,), dtype, device, names=("out",))
-    (plan,) = ops._forward_plans.values()
-    assert (plan.views is not None) == (kernel == "tma")
-    ops._forward_plans.clear()
+    kernels = ops.kernels
+    expected_kernel = kernels.attn_fwd_tma_kernel if kernel == "tma" else kernels.attn_fwd_kernel
+    assert [kernel for kernel, _ in launched] == [expected_kernel]
 
 
-def test_a_module_switch_is_not_hidden_by_a_plan(device, monkeypatch):
-    """Changing a switch that plans bake in (the dot precision) makes a new plan."""
+def test_a_switch_set_with_forget_reaches_the_kernels(device, monkeypatch):
+    """A module switch the impl reads (the dot precision), set and followed by ``forget`` as
+    ``set_switch`` does, reaches the launch of a problem that was already being replayed."""
     q, k, v = (t.detach() for t in make_qkv((1, 2, 16, 16), (1, 2, 16, 16), device=device))
+    for _ in range(4):  # recorded, then replayed on a GPU
+        flash_attention(q, k, v)
+    launched = spy_on_launches(monkeypatch)
+    set_switch(monkeypatch, "DOT_PRECISION", "ieee")
     flash_attention(q, k, v)
-    monkeypatch.setattr(ops, "DOT_PRECISION", "ieee")
-    flash_attention(q, k, v)
-    assert len(ops._forward_plans) == 2
+    assert [constexprs["DOT_PRECISION"] for _, constexprs in launched] == ["ieee"]
+
+
+def test_a_repeated_forward_still_names_bad_arguments(device):
+    q, k, v = (t.detach() for t in make_qkv((1, 2, 16, 16), (1, 2, 16, 16), device=device))
+    for _ in range(4):  # recorded, then replayed on a GPU
+        flash_attention(q, k, v, causal=True, scale=0.5)
     with pytest.raises(TypeError, match="`scale` must be a float"):
         flash_attention(q, k, v, scale=True)
-
-
-def test_a_planned_forward_still_names_bad_arguments(device):
-    q, k, v = (t.detach() for t in make_qkv((1, 2, 16, 16), (1, 2, 16, 16), device=device))
-    flash_attention(q, k, v, causal=True, scale=0.5)
     with pytest.raises(ValueError, match="`scale` must be finite"):
         flash_attention(q, k, v, causal=True, scale=math.inf)
     with pytest.raises(TypeError, match="`causal` must be a bool"):

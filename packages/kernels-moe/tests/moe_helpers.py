@@ -6,6 +6,17 @@ import math
 
 import torch
 
+from llmsys.kernels_moe import ops
+from llmsys.triton_launch import forget
+
+
+def set_switch(monkeypatch, name: str, value) -> None:
+    """``ops.<name> = value`` (a helper or switch the ops' impls read) until ``monkeypatch``
+    undoes it, and the ops' recorded replays forgotten, as they were recorded with the old value.
+    (The root conftest forgets them again before the next test.)"""
+    monkeypatch.setattr(ops, name, value)
+    forget(ops.moe_permute, ops.moe_unpermute, ops.moe_unpermute_backward)
+
 
 def random_routing(num_tokens, topk, num_experts, device, *, duplicates=False, skew=False):
     """(top_experts (T, k) int64, tokens_per_expert (E,) int64) for a random routing.

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from moe_helpers import permute_spec, rand, random_routing
+from moe_helpers import permute_spec, rand, random_routing, set_switch
 
 from llmsys.kernels_moe import ops, padded_moe_permute, padded_moe_permute_reference
 
@@ -206,7 +206,7 @@ def test_every_route_path_gives_the_same_result(route, out_rows, device, monkeyp
     top, counts = random_routing(45, 3, 7, device, skew=True)
     kwargs = {"out_rows": bound(45, 3, 7, 8)} if out_rows else {}
     expected = permute_spec(x, top, counts, 8, **kwargs)
-    monkeypatch.setattr(ops, "route_config", ROUTES[route])
+    set_switch(monkeypatch, "route_config", ROUTES[route])
     assert_same(permute(x, top, counts, 8, **kwargs), expected)
 
 
@@ -215,8 +215,8 @@ def test_every_copy_geometry_gives_the_same_result(block_h, zero_rows, zero_h, d
     x = rand((21, 37), torch.bfloat16, device)
     top, counts = random_routing(21, 2, 5, device)
     expected = permute_spec(x, top, counts, 16)
-    monkeypatch.setattr(ops, "copy_config", lambda hidden, size: (block_h, 1))
-    monkeypatch.setattr(ops, "zero_config", lambda hidden, size: (zero_rows, zero_h))
+    set_switch(monkeypatch, "copy_config", lambda hidden, size: (block_h, 1))
+    set_switch(monkeypatch, "zero_config", lambda hidden, size: (zero_rows, zero_h))
     assert_same(permute(x, top, counts, 16), expected)
 
 
@@ -230,7 +230,7 @@ def test_eager_fallback_matches_kernels(device, monkeypatch):
     x = rand((17, 6), torch.float32, "cpu")
     top, counts = random_routing(17, 2, 5, "cpu")
     kernels = permute(x, top, counts, 4)
-    monkeypatch.setattr(ops, "CPU_RUNS_TRITON", False)
+    set_switch(monkeypatch, "CPU_RUNS_TRITON", False)
     assert_same(permute(x, top, counts, 4), kernels)
     assert_same(permute(x, top, counts, 4, out_rows=50), permute_spec(x, top, counts, 4, 50))
 

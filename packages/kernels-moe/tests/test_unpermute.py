@@ -3,12 +3,11 @@ gradients (padding rows get exact zeros), the round trip with the permute, every
 
 import pytest
 import torch
-from moe_helpers import rand, random_routing
+from moe_helpers import rand, random_routing, set_switch
 
 from llmsys.kernels_moe import (
     moe_unpermute,
     moe_unpermute_reference,
-    ops,
     padded_moe_permute,
 )
 
@@ -121,7 +120,7 @@ def test_round_trip_with_permute(device):
 def test_every_copy_geometry_gives_the_same_result(block_h, device, monkeypatch):
     expert_out, row_index, weights = routed((29, 45, 3, 5, 8), torch.float32, device)
     expected = moe_unpermute(expert_out, row_index, weights)
-    monkeypatch.setattr(ops, "copy_config", lambda hidden, size: (block_h, 1))
+    set_switch(monkeypatch, "copy_config", lambda hidden, size: (block_h, 1))
     assert torch.equal(moe_unpermute(expert_out, row_index, weights), expected)
 
 
@@ -208,7 +207,7 @@ def test_eager_fallback_matches_kernels(monkeypatch):
         return (y, *torch.autograd.grad(y, (expert_out, weights), grad_y))
 
     kernels = run()
-    monkeypatch.setattr(ops, "CPU_RUNS_TRITON", False)
+    set_switch(monkeypatch, "CPU_RUNS_TRITON", False)
     for a, b in zip(run(), kernels, strict=True):
         torch.testing.assert_close(a, b)
 

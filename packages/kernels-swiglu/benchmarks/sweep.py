@@ -12,6 +12,7 @@ Writes ``results/<gpu>.csv`` (the shared schema of ``llmsys.bench_harness``) and
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 import llmsys.bench_harness as harness
 import llmsys.kernels_swiglu as ks
+from llmsys.triton_launch import forget
 
 RESULTS = Path(__file__).parent / "results"
 GPU_SHAPES = [
@@ -49,18 +51,19 @@ def _previous_launch_config(n_elements: int) -> tuple[int, int]:
     return (1024, 4) if n_elements <= 1 << 18 else (4096, 8)
 
 
-def with_previous_launch_config(step):
-    """``step`` with the kernels launched at the configuration before 0.3.0."""
-
-    def run_step():
-        current = ks.ops.launch_config
-        ks.ops.launch_config = _previous_launch_config
-        try:
-            return step()
-        finally:
-            ks.ops.launch_config = current
-
-    return run_step
+@contextlib.contextmanager
+def previous_launch_config():
+    """The kernels launched at the configuration before 0.3.0 inside the block. The ops'
+    recorded replays are forgotten when the switch changes: they launch the configuration they
+    were recorded with."""
+    ops = ks.ops
+    current, ops.launch_config = ops.launch_config, _previous_launch_config
+    forget(ops.swiglu_fwd, ops.swiglu_bwd)
+    try:
+        yield
+    finally:
+        ops.launch_config = current
+        forget(ops.swiglu_fwd, ops.swiglu_bwd)
 
 
 def providers(device: str) -> dict:
@@ -131,9 +134,8 @@ def run(device: str = "cuda", *, quick: bool = False, progress=None) -> list[har
                 def step(fn=fn):
                     fn(a, b).backward(g)
 
-            if name == "previous":
-                step = with_previous_launch_config(step)
-            times = harness.time_ms(step, device=device, grad_to_none=[a, b])
+            with previous_launch_config() if name == "previous" else contextlib.nullcontext():
+                times = harness.time_ms(step, device=device, grad_to_none=[a, b])
             eager_p50 = times[1] if name == "eager" else eager_p50
             nbytes = bytes_moved(math.prod(shape), dtype, mode)
             rows.append(

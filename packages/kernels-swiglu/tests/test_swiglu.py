@@ -19,6 +19,7 @@ from llmsys.kernels_swiglu import (
     swiglu_backward_reference,
     swiglu_reference,
 )
+from llmsys.triton_launch import forget
 
 swiglu_fwd = torch.ops.llm_scaling_week.swiglu_fwd
 swiglu_bwd = torch.ops.llm_scaling_week.swiglu_bwd
@@ -120,7 +121,7 @@ def test_forward_random_shapes(shape, dtype, device):
 
 def test_nan_poison_reaches_outputs(monkeypatch, device, poisoned_allocations):
     # Guards the fixture itself: with the kernel launch removed, the output must be all NaN.
-    monkeypatch.setattr(ops, "_launch", lambda *args: None)
+    monkeypatch.setattr(ops, "_launch", lambda *args: None)  # (replays are off meanwhile)
     a, b = rand_pair((13,), torch.float32, device)
     assert torch.isnan(swiglu_fwd(a, b)).all()
 
@@ -410,6 +411,7 @@ def run_with_launch_config(monkeypatch, config, fn, *args):
         return config
 
     monkeypatch.setattr(ops, "launch_config", forced)
+    forget(ops.swiglu_fwd, ops.swiglu_bwd)  # a replay launches the configuration it recorded
     result = fn(*args)
     assert calls, "the launcher did not ask ops.launch_config"
     return result

@@ -70,7 +70,7 @@ def _program_tile(n_rows, BLOCK: tl.constexpr, REVERSED: tl.constexpr, HEAD_MAJO
     The grid is (heads, tiles): one tile of every head is handed out before the next tile; or,
     HEAD_MAJOR, 1-D: all tiles of one head come first, so the programs running at the same time
     share that head's k and v (or q and dO) in L2. Which order is faster depends on the kernel
-    and head dim (tile tables in ops.py). Each order is written in the form that measured fastest
+    and head dim (tile tables in tuning.py). Each order is written in the form that measured fastest
     on an H100: the head-major order as a 2-D (tiles, heads) grid ran the d = 64 dK/dV kernel
     7% slower than this 1-D form, and the (heads, tiles) order as a 1-D grid ran d = 128's 8%
     slower (DECISIONS.md, section 5).
@@ -117,14 +117,13 @@ def _store_rows(ptrs, tile, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_
         tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
 
-# fmt: off
 # --- forward -------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _fwd_step(acc, l_i, m_i, q, k, v, offs_m, offs_n, N_K, qk_scale, MASK: tl.constexpr,
               CAUSAL: tl.constexpr, FOLD_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              DOT_UPCAST: tl.constexpr):
+              DOT_UPCAST: tl.constexpr):  # fmt: skip
     """One key tile of the online softmax; MASK: this tile needs score masks.
 
     FOLD_SCALE (a positive scale): the row max is taken on the raw scores and scaled once per
@@ -155,15 +154,18 @@ def _fwd_step(acc, l_i, m_i, q, k, v, offs_m, offs_n, N_K, qk_scale, MASK: tl.co
 def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, offs_m, offs_d,
                N_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-               FOLD_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+               FOLD_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               DOT_UPCAST: tl.constexpr):  # fmt: skip
     """Online softmax over the key tiles [lo, hi), loaded through pointers."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         k = _load_rows(k_ptrs + start_n * stride_kn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
         v = _load_rows(v_ptrs + start_n * stride_vn, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D, MASK)
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, offs_m, offs_n, N_K, qk_scale, MASK,
-                                  CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST)
+        acc, l_i, m_i = _fwd_step(
+            acc, l_i, m_i, q, k, v, offs_m, offs_n, N_K, qk_scale,
+            MASK, CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST,
+        )  # fmt: skip
     return acc, l_i, m_i
 
 
@@ -184,18 +186,44 @@ def _key_range(start_m, N_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSA
 @triton.jit(do_not_specialize=_SIZES)
 def attn_fwd_kernel(
     # pointers
-    Q, K, V, Out, LSE,
-    # strides (batch, head, row, dim)
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
+    Q,  # (B, H, N_Q, HEAD_DIM) float16 / bfloat16 / float32, any strides
+    K,  # (B, H_KV, N_K, HEAD_DIM) q's dtype, any strides
+    V,  # (B, H_KV, N_K, HEAD_DIM) q's dtype, any strides
+    Out,  # (B, H, N_Q, HEAD_DIM) q's dtype
+    LSE,  # (B, H, N_Q) float32, contiguous
     # sizes
-    N_HEADS, GROUP, N_Q, N_K, sm_scale,
+    N_HEADS,  # H
+    GROUP,  # H // H_KV
+    N_Q,
+    N_K,
+    sm_scale,
+    # strides (batch, head, row, dim)
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    HEAD_MAJOR: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two, at least 16
+    BLOCK_M: tl.constexpr,  # queries per program
+    BLOCK_N: tl.constexpr,  # keys per step
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "tf32" or "ieee": fp32 inputs' dot products
+    DOT_UPCAST: tl.constexpr,  # bfloat16 dots in float32 (the interpreter)
+    HEAD_MAJOR: tl.constexpr,  # the grid order (_program_tile)
+    FOLD_SCALE: tl.constexpr,  # a positive scale, folded into one FMA per score
 ):
     # Causal tiles at the end of the sequence do the most work: launch them first.
     pid_bh, start_m = _program_tile(N_Q, BLOCK_M, True, HEAD_MAJOR)
@@ -217,12 +245,16 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     full_hi, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn,
-                               offs_m, offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False,
-                               CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, full_hi, hi, stride_kn, stride_vn,
-                               offs_m, offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-                               CAUSAL, FOLD_SCALE, DOT_PRECISION, DOT_UPCAST)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn, offs_m, offs_d,
+        N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, FOLD_SCALE, DOT_PRECISION,
+        DOT_UPCAST,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, full_hi, hi, stride_kn, stride_vn, offs_m, offs_d,
+        N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, FOLD_SCALE, DOT_PRECISION,
+        DOT_UPCAST,
+    )  # fmt: skip
 
     out = acc / l_i[:, None]
     o_ptrs = _tile_ptrs(Out + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od)
@@ -233,12 +265,25 @@ def attn_fwd_kernel(
 
 @triton.jit(do_not_specialize=_SIZES)
 def attn_fwd_tma_kernel(
-    # host tensor descriptors over contiguous (batch * heads, seq, HEAD_DIM) views
-    Q, K, V, Out,
-    LSE,
-    N_HEADS, GROUP, N_Q, N_K, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, FOLD_SCALE: tl.constexpr,
+    # host tensor descriptors over contiguous (B * H, seq, HEAD_DIM) views, and a pointer
+    Q,  # (B * H, N_Q, HEAD_DIM) float16 / bfloat16, block (1, BLOCK_M, HEAD_DIM)
+    K,  # (B * H_KV, N_K, HEAD_DIM) q's dtype, block (1, BLOCK_N, HEAD_DIM)
+    V,  # (B * H_KV, N_K, HEAD_DIM) q's dtype, block (1, BLOCK_N, HEAD_DIM)
+    Out,  # (B * H, N_Q, HEAD_DIM) q's dtype, block (1, BLOCK_M, HEAD_DIM)
+    LSE,  # (B, H, N_Q) float32, contiguous: a pointer
+    # sizes
+    N_HEADS,  # H
+    GROUP,  # H // H_KV
+    N_Q,
+    N_K,
+    sm_scale,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,  # a power of two
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     """The forward with every tile moved by Hopper's copy engine (TMA) instead of pointer
     loads: q, k, v and out are tensor descriptors, tiles past a sequence's end load as zeros
@@ -258,13 +303,17 @@ def attn_fwd_tma_kernel(
     for start_n in range(0, full_hi, BLOCK_N):
         k = K.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         v = V.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, offs_m, start_n + offs_n0, N_K,
-                                  qk_scale, False, CAUSAL, FOLD_SCALE, "tf32", DOT_UPCAST)
+        acc, l_i, m_i = _fwd_step(
+            acc, l_i, m_i, q, k, v, offs_m, start_n + offs_n0, N_K, qk_scale,
+            False, CAUSAL, FOLD_SCALE, "tf32", DOT_UPCAST,
+        )  # fmt: skip
     for start_n in range(full_hi, hi, BLOCK_N):
         k = K.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         v = V.load([bh_kv, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k, v, offs_m, start_n + offs_n0, N_K,
-                                  qk_scale, True, CAUSAL, FOLD_SCALE, "tf32", DOT_UPCAST)
+        acc, l_i, m_i = _fwd_step(
+            acc, l_i, m_i, q, k, v, offs_m, start_n + offs_n0, N_K, qk_scale,
+            True, CAUSAL, FOLD_SCALE, "tf32", DOT_UPCAST,
+        )  # fmt: skip
     out = acc / l_i[:, None]
     Out.store([bh, start_m, 0], out.to(Out.dtype).reshape(1, BLOCK_M, HEAD_DIM))
     tl.store(LSE + bh * N_Q + offs_m, (m_i + tl.log2(l_i)) * LN2, mask=offs_m < N_Q)
@@ -274,18 +323,19 @@ def attn_fwd_tma_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, stride_qm, stride_dom,
-                offs_n, offs_d, N_Q, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr, MASK_ROWS: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, stride_qm,
+                stride_dom, offs_n, offs_d, N_Q, qk_scale, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+                MASK_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                DOT_UPCAST: tl.constexpr):  # fmt: skip
     """Accumulate dK, dV of one key tile over the query tiles [lo, hi), in transposed form."""
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
-        q = _load_rows(q_ptrs + start_m * stride_qm, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D,
-                       MASK_ROWS)
-        do = _load_rows(do_ptrs + start_m * stride_dom, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D,
-                        MASK_ROWS)
+        q_tile = q_ptrs + start_m * stride_qm
+        do_tile = do_ptrs + start_m * stride_dom
+        q = _load_rows(q_tile, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, MASK_ROWS)
+        do = _load_rows(do_tile, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D, MASK_ROWS)
         if MASK_ROWS:  # an L of +inf makes P exactly 0 in rows past N_Q
             lse = tl.load(lse_ptrs + offs_m, mask=offs_m < N_Q, other=float("inf"))
             delta = tl.load(delta_ptrs + offs_m, mask=offs_m < N_Q, other=0.0)
@@ -305,16 +355,54 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, str
 
 @triton.jit(do_not_specialize=["N_KV_HEADS", "GROUP", "N_Q", "N_K"])
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    N_KV_HEADS, GROUP, N_Q, N_K, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    # pointers
+    Q,  # (B, H, N_Q, HEAD_DIM) float16 / bfloat16 / float32, any strides
+    K,  # (B, H_KV, N_K, HEAD_DIM) q's dtype, any strides
+    V,  # (B, H_KV, N_K, HEAD_DIM) q's dtype, any strides
+    DO,  # (B, H, N_Q, HEAD_DIM) q's dtype, any strides: the gradient of the output
+    LSE,  # (B, H, N_Q) float32, contiguous
+    DELTA,  # (B, H, N_Q) float32, contiguous: rowsum(dO * O), from attn_bwd_dq_kernel
+    DK,  # (B, H_KV, N_K, HEAD_DIM) q's dtype
+    DV,  # (B, H_KV, N_K, HEAD_DIM) q's dtype
+    # sizes
+    N_KV_HEADS,  # H_KV
+    GROUP,  # H // H_KV
+    N_Q,
+    N_K,
+    sm_scale,
+    # strides (batch, head, row, dim)
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two, at least 16
+    BLOCK_M: tl.constexpr,  # queries per step
+    BLOCK_N: tl.constexpr,  # keys per program
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
 ):
     # Causal: the first key tiles do the most work, and they come first.
@@ -345,37 +433,43 @@ def attn_bwd_dkdv_kernel(
     n_heads = N_KV_HEADS * GROUP
     for g in range(GROUP):  # the query heads that share this kv head, in a fixed order
         h = h_kv * GROUP + g
-        q_ptrs = _tile_ptrs(Q + b * stride_qb + h * stride_qh, offs_m0, offs_d, stride_qm,
-                            stride_qd)
-        do_ptrs = _tile_ptrs(DO + b * stride_dob + h * stride_doh, offs_m0, offs_d, stride_dom,
-                             stride_dod)
+        q_head = Q + b * stride_qb + h * stride_qh
+        do_head = DO + b * stride_dob + h * stride_doh
+        q_ptrs = _tile_ptrs(q_head, offs_m0, offs_d, stride_qm, stride_qd)
+        do_ptrs = _tile_ptrs(do_head, offs_m0, offs_d, stride_dom, stride_dod)
         lse_ptrs = LSE + (b * n_heads + h) * N_Q
         delta_ptrs = DELTA + (b * n_heads + h) * N_Q
         if CAUSAL:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, diag_end,
-                                 stride_qm, stride_dom, offs_n, offs_d, N_Q, qk_scale, HEAD_DIM,
-                                 BLOCK_D, BLOCK_M, True, True, DOT_PRECISION, DOT_UPCAST)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, diag_end,
-                             full_end, stride_qm, stride_dom, offs_n, offs_d, N_Q, qk_scale,
-                             HEAD_DIM, BLOCK_D, BLOCK_M, False, False, DOT_PRECISION, DOT_UPCAST)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, full_end, N_Q,
-                             stride_qm, stride_dom, offs_n, offs_d, N_Q, qk_scale, HEAD_DIM,
-                             BLOCK_D, BLOCK_M, False, True, DOT_PRECISION, DOT_UPCAST)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, diag_end, stride_qm,
+                stride_dom, offs_n, offs_d, N_Q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                True, True, DOT_PRECISION, DOT_UPCAST,
+            )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, diag_end, full_end, stride_qm,
+            stride_dom, offs_n, offs_d, N_Q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+            False, False, DOT_PRECISION, DOT_UPCAST,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, full_end, N_Q, stride_qm,
+            stride_dom, offs_n, offs_d, N_Q, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+            False, True, DOT_PRECISION, DOT_UPCAST,
+        )  # fmt: skip
 
-    dk_ptrs = _tile_ptrs(DK + b * stride_dkb + h_kv * stride_dkh, offs_n, offs_d, stride_dkn,
-                         stride_dkd)
-    dv_ptrs = _tile_ptrs(DV + b * stride_dvb + h_kv * stride_dvh, offs_n, offs_d, stride_dvn,
-                         stride_dvd)
-    _store_rows(dk_ptrs, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, N_K, offs_d, HEAD_DIM,
-                BLOCK_D)
+    dk_head = DK + b * stride_dkb + h_kv * stride_dkh
+    dv_head = DV + b * stride_dvb + h_kv * stride_dvh
+    dk_ptrs = _tile_ptrs(dk_head, offs_n, offs_d, stride_dkn, stride_dkd)
+    dv_ptrs = _tile_ptrs(dv_head, offs_n, offs_d, stride_dvn, stride_dvd)
+    dk = (dk * sm_scale).to(DK.dtype.element_ty)
+    _store_rows(dk_ptrs, dk, offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D)
     _store_rows(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, offs_m, offs_d,
-              N_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              DOT_UPCAST: tl.constexpr):
+def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_vn, offs_m,
+              offs_d, N_K, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):  # fmt: skip
     """Accumulate dQ of one query tile over the key tiles [lo, hi); lse is in base 2 here."""
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
@@ -397,19 +491,58 @@ def _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, lo, hi, stride_kn, stride_v
 
 @triton.jit(do_not_specialize=_SIZES)
 def attn_bwd_dq_kernel(
-    Q, K, V, Out, DO, LSE, DELTA, DQ,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    N_HEADS, GROUP, N_Q, N_K, sm_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    # pointers
+    Q,  # (B, H, N_Q, HEAD_DIM) float16 / bfloat16 / float32, any strides
+    K,  # (B, H_KV, N_K, HEAD_DIM) q's dtype, any strides
+    V,  # (B, H_KV, N_K, HEAD_DIM) q's dtype, any strides
+    Out,  # (B, H, N_Q, HEAD_DIM) q's dtype, any strides: the forward's output
+    DO,  # (B, H, N_Q, HEAD_DIM) q's dtype, any strides: its gradient
+    LSE,  # (B, H, N_Q) float32, contiguous
+    DELTA,  # (B, H, N_Q) float32, contiguous: written here, rowsum(dO * O)
+    DQ,  # (B, H, N_Q, HEAD_DIM) q's dtype
+    # sizes
+    N_HEADS,  # H
+    GROUP,  # H // H_KV
+    N_Q,
+    N_K,
+    sm_scale,
+    # strides (batch, head, row, dim)
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two, at least 16
+    BLOCK_M: tl.constexpr,  # queries per program
+    BLOCK_N: tl.constexpr,  # keys per step
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
 ):
-    pid_bh, start_m = _program_tile(N_Q, BLOCK_M, True, HEAD_MAJOR)  # longest first, as the forward
+    # The longest query tiles first, as in the forward.
+    pid_bh, start_m = _program_tile(N_Q, BLOCK_M, True, HEAD_MAJOR)
     b = (pid_bh // N_HEADS).to(tl.int64)
     h = pid_bh % N_HEADS
     h_kv = (h // GROUP).to(tl.int64)
@@ -419,8 +552,8 @@ def attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     q_ptrs = _tile_ptrs(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qm, stride_qd)
-    do_ptrs = _tile_ptrs(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dom,
-                         stride_dod)
+    do_head = DO + b * stride_dob + h * stride_doh
+    do_ptrs = _tile_ptrs(do_head, offs_m, offs_d, stride_dom, stride_dod)
     k_ptrs = _tile_ptrs(K + b * stride_kb + h_kv * stride_kh, offs_n, offs_d, stride_kn, stride_kd)
     v_ptrs = _tile_ptrs(V + b * stride_vb + h_kv * stride_vh, offs_n, offs_d, stride_vn, stride_vd)
     o_ptrs = _tile_ptrs(Out + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_om, stride_od)
@@ -436,15 +569,16 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     full_hi, hi = _key_range(start_m, N_K, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn, offs_m,
-                   offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL,
-                   DOT_PRECISION, DOT_UPCAST)
-    dq = _dq_inner(dq, q, do, lse, delta, k_ptrs, v_ptrs, full_hi, hi, stride_kn, stride_vn, offs_m,
-                   offs_d, N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL,
-                   DOT_PRECISION, DOT_UPCAST)
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, 0, full_hi, stride_kn, stride_vn, offs_m, offs_d,
+        N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, CAUSAL, DOT_PRECISION, DOT_UPCAST,
+    )  # fmt: skip
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_ptrs, v_ptrs, full_hi, hi, stride_kn, stride_vn, offs_m, offs_d,
+        N_K, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, CAUSAL, DOT_PRECISION, DOT_UPCAST,
+    )  # fmt: skip
 
-    dq_ptrs = _tile_ptrs(DQ + b * stride_dqb + h * stride_dqh, offs_m, offs_d, stride_dqm,
-                         stride_dqd)
-    _store_rows(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, HEAD_DIM,
-                BLOCK_D)
-# fmt: on
+    dq_head = DQ + b * stride_dqb + h * stride_dqh
+    dq_ptrs = _tile_ptrs(dq_head, offs_m, offs_d, stride_dqm, stride_dqd)
+    dq = (dq * sm_scale).to(DQ.dtype.element_ty)
+    _store_rows(dq_ptrs, dq, offs_m, N_Q, offs_d, HEAD_DIM, BLOCK_D)

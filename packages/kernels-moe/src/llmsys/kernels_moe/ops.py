@@ -382,17 +382,19 @@ moe_permute = define_op(
     "int align=128, SymInt? out_rows=None) -> (Tensor, Tensor, Tensor)",
     _moe_permute,
     _moe_permute_fake,
+    replays=True,  # with out_rows given; without, the row count is read back on every call
 )
 moe_unpermute = define_op(
     _lib,
     "moe_unpermute(Tensor expert_out, Tensor row_index, Tensor? routing_weights) -> Tensor",
     _moe_unpermute,
     _moe_unpermute_fake,
+    replays=True,
 )
 moe_unpermute_backward = define_op(
     _lib,
     "moe_unpermute_backward(Tensor grad_y, Tensor expert_out, Tensor row_index, "
     "Tensor? routing_weights, bool weights_grad) -> (Tensor, Tensor)",
     _moe_unpermute_backward,
-    _moe_unpermute_backward_fake,
+    _moe_unpermute_backward_fake,  # not replayed: torch.zeros fills the rows-used marks
 )

@@ -14,19 +14,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-
-@triton.jit
-def _exp_neg(a, PRECISE: tl.constexpr):
-    # libdevice's exp is correctly rounded to within 1 ulp like CUDA's expf, which eager uses;
-    # tl.exp is the faster ex2.approx path. Only the precise one rounds silu to the same
-    # float16 as eager on all 65536 inputs (2 differ otherwise; bfloat16 agrees either way).
-    # The interpreter has no libdevice and computes exp exactly in numpy.
-    if PRECISE:
-        return libdevice.exp(-a)
-    else:
-        return tl.exp(-a)
+from llmsys.triton_launch.precise import exp
 
 
 @triton.jit
@@ -40,9 +29,11 @@ def _div(a, b, COMPUTE_DTYPE: tl.constexpr):
 
 @triton.jit
 def _swiglu_fwd_math(a, b, out_dtype, COMPUTE_DTYPE: tl.constexpr, PRECISE: tl.constexpr):
-    # Round silu(a) to the input dtype before the multiply, exactly as eager does.
+    # Round silu(a) to the input dtype before the multiply, exactly as eager does. PRECISE (on
+    # the GPU): libdevice's exp, which rounds as eager's expf; with tl.exp 2 of the 65536 float16
+    # inputs round silu differently.
     x = a.to(COMPUTE_DTYPE)
-    silu = _div(x, 1.0 + _exp_neg(x, PRECISE), COMPUTE_DTYPE).to(a.dtype)
+    silu = _div(x, 1.0 + exp(-x, PRECISE), COMPUTE_DTYPE).to(a.dtype)
     return (silu.to(COMPUTE_DTYPE) * b.to(COMPUTE_DTYPE)).to(out_dtype)
 
 
@@ -50,7 +41,7 @@ def _swiglu_fwd_math(a, b, out_dtype, COMPUTE_DTYPE: tl.constexpr, PRECISE: tl.c
 def _swiglu_bwd_math(g, a, b, COMPUTE_DTYPE: tl.constexpr, PRECISE: tl.constexpr):
     g = g.to(COMPUTE_DTYPE)
     x = a.to(COMPUTE_DTYPE)
-    denominator = 1.0 + _exp_neg(x, PRECISE)
+    denominator = 1.0 + exp(-x, PRECISE)
     sig = 1.0 / denominator
     silu = _div(x, denominator, COMPUTE_DTYPE).to(b.dtype).to(COMPUTE_DTYPE)  # as in forward
     grad_a = g * b.to(COMPUTE_DTYPE) * sig * (1.0 + x * (1.0 - sig))

@@ -12,14 +12,13 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from llmsys.triton_launch import Launch, checks, define_op, runs_under_interpreter
+from llmsys.triton_launch import cdiv, checks, define_op, launch, runs_under_interpreter
 
 from .kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
 from .reference import swiglu_backward_reference, swiglu_reference
 
 NAMESPACE = "llm_scaling_week"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 # Under TRITON_INTERPRET=1 `triton.jit` returns an interpreter object that runs on CPU tensors.
 CPU_RUNS_TRITON = runs_under_interpreter(swiglu_fwd_kernel)
@@ -35,23 +34,6 @@ def check_inputs(op: str, **tensors: torch.Tensor) -> None:
         checks.same_device(op, name, t, first_name, first)
 
 
-def _valid(a, *others) -> bool:
-    """The checks' verdict, cheaply: every call asks, only a failure pays for the messages."""
-    # None, a non-tensor, or a subclass: the full check decides.
-    if type(a) is not torch.Tensor or a.dtype not in _SUPPORTED:
-        return False
-    dtype, device = a.dtype, a.get_device()  # get_device: an int, cheap
-    for t in others:  # a loop, not a generator: this runs on every call
-        if not (
-            type(t) is torch.Tensor
-            and t.dtype is dtype
-            and t.get_device() == device
-            and a.is_same_size(t)  # one call, where `.shape ==` builds two torch.Size
-        ):
-            return False
-    return True
-
-
 def launch_config(n_elements: int) -> tuple[int, int]:
     """(BLOCK_SIZE, num_warps) for a flat tensor of ``n_elements``.
 
@@ -62,53 +44,48 @@ def launch_config(n_elements: int) -> tuple[int, int]:
     against 2.7 at 4096). From 2**20 elements in whole programs of 4096 (1024x1024), and from
     2**24 elements at any size, 4096 per program on 8 warps: the configuration before 0.3.0
     there, which ran 1024x1024 bf16 6-11% faster than 512 (kernels-swiglu sweep, 2026-11-26).
+    Code that replaces it calls ``llmsys.triton_launch.forget(swiglu_fwd, swiglu_bwd)`` after
+    the change and after undoing it: a recorded replay launches the configuration it recorded.
     """
     if n_elements >= 1 << 24 or (n_elements >= 1 << 20 and n_elements % 4096 == 0):
         return 4096, 8
     return 512, 4
 
 
-_launches: dict[tuple, Launch] = {}  # (kernel, block, float64?, on CUDA?) -> its Launch
-
-
-def _launch(kernel, tensors: tuple[torch.Tensor, ...], n: int) -> None:
-    block, num_warps = launch_config(n)
+def _launch(kernel, tensors: tuple[torch.Tensor, ...]) -> None:
+    """Launch an elementwise ``kernel`` over ``tensors`` (contiguous, the first one's size)."""
     first = tensors[0]
-    key = (kernel, block, first.dtype is torch.float64, first.is_cuda)
-    prepared = _launches.get(key)
-    if prepared is None:
-        compute = tl.float64 if key[2] else tl.float32
-        # libdevice's exp on the GPU; the interpreter has none (kernels._exp_neg).
-        constexprs = {"COMPUTE_DTYPE": compute, "PRECISE": key[3], "BLOCK_SIZE": block}
-        prepared = _launches[key] = Launch(kernel, constexprs, num_warps)
-    prepared((n + block - 1) // block, (*tensors, n))
+    n = first.numel()
+    block, num_warps = launch_config(n)
+    constexprs = {
+        "COMPUTE_DTYPE": tl.float64 if first.dtype is torch.float64 else tl.float32,
+        "PRECISE": first.is_cuda,  # libdevice's exp; the interpreter has none
+        "BLOCK_SIZE": block,
+    }
+    launch(kernel, cdiv(n, block), (*tensors, n), constexprs, num_warps=num_warps)
 
 
 def _swiglu_fwd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if not _valid(a, b):
-        check_inputs("swiglu_fwd", a=a, b=b)
+    check_inputs("swiglu_fwd", a=a, b=b)
     if not a.is_cuda and not CPU_RUNS_TRITON:
         return swiglu_reference(a, b).contiguous()
     a, b = a.contiguous(), b.contiguous()  # non-contiguous inputs cost one copy each
     out = torch.empty_like(a, memory_format=torch.contiguous_format)
-    if a.numel():
-        _launch(swiglu_fwd_kernel, (a, b, out), a.numel())
+    _launch(swiglu_fwd_kernel, (a, b, out))
     return out
 
 
 def _swiglu_bwd(
     grad_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if not _valid(a, b, grad_out):
-        check_inputs("swiglu_bwd", a=a, b=b, grad_out=grad_out)
+    check_inputs("swiglu_bwd", a=a, b=b, grad_out=grad_out)
     if not a.is_cuda and not CPU_RUNS_TRITON:
         grad_a, grad_b = swiglu_backward_reference(grad_out, a, b)
         return grad_a.contiguous(), grad_b.contiguous()
     grad_out, a, b = grad_out.contiguous(), a.contiguous(), b.contiguous()
     grad_a = torch.empty_like(a, memory_format=torch.contiguous_format)
     grad_b = torch.empty_like(b, memory_format=torch.contiguous_format)
-    if a.numel():
-        _launch(swiglu_bwd_kernel, (grad_out, a, b, grad_a, grad_b), a.numel())
+    _launch(swiglu_bwd_kernel, (grad_out, a, b, grad_a, grad_b))
     return grad_a, grad_b
 
 
@@ -123,22 +100,18 @@ def _swiglu_bwd_fake(grad_out, a, b):
     return empty, torch.empty_like(empty)
 
 
-def _switches():
-    """What the impls read besides their arguments: ``launch_config``, which the sweep's
-    ``previous`` provider swaps; a recorded plan is kept per value (``define_op``)."""
-    return launch_config
-
-
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 swiglu_fwd = define_op(
     _lib,
     "swiglu_fwd(Tensor a, Tensor b) -> Tensor",
     _swiglu_fwd,
     _swiglu_fwd_fake,
+    replays=True,
 )
 swiglu_bwd = define_op(
     _lib,
     "swiglu_bwd(Tensor grad_out, Tensor a, Tensor b) -> (Tensor, Tensor)",
     _swiglu_bwd,
     _swiglu_bwd_fake,
+    replays=True,
 )
