@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton.language as tl
 
 from llmsys.bench_harness.harness import host_us_side_by_side
 from llmsys.flash_attn2 import flash_attention
@@ -29,7 +30,7 @@ from llmsys.kernels_int8 import Int8Linear
 from llmsys.kernels_int8 import ops as int8_ops
 from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
-from llmsys.triton_launch import launcher, library, wants_grad
+from llmsys.triton_launch import Launch, launcher, library, wants_grad
 
 
 class _Identity(torch.autograd.Function):
@@ -77,11 +78,12 @@ class AllocatingSwiGLU(torch.autograd.Function):
 
 
 def swiglu_forward_launch(a: torch.Tensor):
-    """The prepared Launch and grid of swiglu's forward kernel for ``a`` (already called once)."""
+    """A prepared Launch and the grid of swiglu's forward kernel for ``a`` (float32 math on
+    CUDA, at the op's own launch configuration)."""
     n = a.numel()
-    block, _ = swiglu_ops.launch_config(n)
-    key = (swiglu_ops.swiglu_fwd_kernel, block, a.dtype is torch.float64, a.is_cuda)
-    return swiglu_ops._launches[key], -(-n // block)
+    block, num_warps = swiglu_ops.launch_config(n)
+    constexprs = {"COMPUTE_DTYPE": tl.float32, "PRECISE": True, "BLOCK_SIZE": block}
+    return Launch(swiglu_ops.swiglu_fwd_kernel, constexprs, num_warps), -(-n // block)
 
 
 def _entry(op):
