@@ -17,8 +17,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from llmsys.triton_launch import cdiv, next_power_of_2
-from llmsys.triton_launch import forget as forget_recorded_plans
+from llmsys.triton_launch import cdiv, forget, next_power_of_2
 
 AUTOTUNE = os.environ.get("LLMSYS_INT8_AUTOTUNE", "1") != "0"
 TUNE_LOG = os.environ.get("LLMSYS_INT8_TUNE_LOG", "0") == "1"  # print every candidate's time
@@ -206,4 +205,4 @@ def clear_cache() -> None:
     recorded replays of every op, which would go on launching the configurations they were
     recorded with."""
     _best.clear()
-    forget_recorded_plans()
+    forget()
