@@ -29,7 +29,7 @@ from llmsys.kernels_int8 import Int8Linear
 from llmsys.kernels_int8 import ops as int8_ops
 from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
-from llmsys.triton_launch import launcher, library, native, wants_grad
+from llmsys.triton_launch import launcher, library, wants_grad
 
 
 class _Identity(torch.autograd.Function):
@@ -215,7 +215,7 @@ def launch_floor_steps() -> dict:
     args = (a, b, out, a.numel())
     head = (prepared.kernel, a.get_device(), prepared.num_warps, prepared.num_stages)
     head += tuple(prepared.options.items())
-    compiled = launcher._compiled[native.get().key(head, args, prepared.constexprs)][0]
+    compiled = launcher._compiled[launcher._python_key(head, args, prepared.constexprs)]
     stream = torch._C._cuda_getCurrentRawStream(a.get_device())
     meta = (compiled.function, compiled.packed_metadata, None, None, None)
     constexprs = tuple(prepared.constexprs.values())
@@ -224,13 +224,13 @@ def launch_floor_steps() -> dict:
             a, b
         ),
         "torch.empty_like(a)": lambda: torch.empty_like(a),
-        "our prepared Launch (C: device, stream, key, lookup, cuLaunchKernel)": lambda: prepared(
+        "our prepared Launch (device, hooks, key, lookup, CompiledKernel.run)": lambda: prepared(
             grid, args
         ),
         "Triton's own launcher, CompiledKernel.run, same kernel": lambda: compiled.run(
             grid, 1, 1, stream, *meta, *args, *constexprs
         ),
-        "step: the C launcher's key alone": lambda: native.get().key(
+        "step: the launcher's key alone": lambda: launcher._python_key(
             head, args, prepared.constexprs
         ),
         "step: the current-stream query": lambda: torch._C._cuda_getCurrentRawStream(

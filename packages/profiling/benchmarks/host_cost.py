@@ -42,7 +42,7 @@ from llmsys.kernels_moe import moe_unpermute, padded_moe_permute
 from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.kernels import swiglu_fwd_kernel
-from llmsys.triton_launch import call_below_autograd, launch, native
+from llmsys.triton_launch import call_below_autograd, launch
 
 _keep_alive: list = []
 QWEN_GEMMS = ((2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048))  # (K, N)
@@ -103,15 +103,6 @@ def _launch_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _launch_impl_without_c(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    get = native.get
-    native.get = lambda: None  # launch() then keys in Python and calls CompiledKernel.run
-    try:
-        return _launch_impl(a, b)
-    finally:
-        native.get = get
-
-
 def _jit_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(a)
     block, warps = swiglu_ops.launch_config(a.numel())
@@ -130,9 +121,6 @@ def alternatives() -> dict:
         ),
         "kernel[grid], no op": _jit_impl,
         "llmsys launch, no op": _launch_impl,
-        "llmsys launch, no op, Triton's launcher (the fallback without the C launcher)": (
-            _launch_impl_without_c
-        ),
     }
     lib = torch.library.Library("llmsys_alt", "FRAGMENT")
     _keep_alive.append(lib)  # a Library's ops are deregistered when it is collected

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmsys.triton_launch import kernel_path, launch, native, runs_under_interpreter
+from llmsys.triton_launch import kernel_path, launch, runs_under_interpreter
 from llmsys.triton_launch.launcher import _compiled, _key
 
 
@@ -145,88 +145,6 @@ def test_profiler_hooks_see_every_launch():
     assert len(seen) == 1
 
 
-# --- the C launcher (native_launch.c) -------------------------------------------------------------
-
-
-def test_the_c_launcher_packs_each_kind_as_the_driver_reads_it():
-    import struct
-
-    module = native.get()
-    assert module is not None, "the C launcher did not build on this machine"
-    x = torch.randn(3)
-    packed = module.pack(b"pi-lIfdbL", x, -5, 7, 2**40, 2**32 - 1, 1.5, 2.25, True, 2**64 - 1)
-    expected = (x.data_ptr(), -5, 2**40, 2**32 - 1, 1.5, 2.25, 1, 2**64 - 1, 0, 0)
-    assert packed == struct.pack("<QiqIfdbQQQ", *expected)  # then the two scratch pointers
-    with pytest.raises(ValueError, match="2 kinds for 1 arguments"):
-        module.pack(b"pi", x)
-    with pytest.raises(ValueError, match="unknown kind 'z'"):
-        module.pack(b"z", 1)
-    with pytest.raises(TypeError):
-        module.pack(b"i", "not an int")
-
-
-def test_the_c_key_follows_tritons_specialization():
-    module = native.get()
-    x = torch.randn(8)
-    key = module.key(("head",), (x, x[1:], 1, 32, 7, 2**40, 2.5, True), {"BLOCK": 4})
-    # an int: 16 + 4 * (== 1) + 2 * (% 16 == 0) + (fits in 32 bits)
-    assert key == (
-        "head",
-        (torch.float32, True),
-        (torch.float32, False),
-        21,
-        19,
-        17,
-        18,
-        float,
-        True,
-        4,
-    )
-    assert module.key((), (x, None), {}) is None  # keyed in Python (launcher._python_key)
-    assert module.key((), (2**70,), {}) is None
-
-
-def test_the_kinds_of_a_compiled_signature():
-    class Meta:
-        num_ctas, launch_cooperative_grid, launch_pdl = 1, False, False
-        global_scratch_size, profile_scratch_size, shared = 0, 0, 1024
-
-    class Src:
-        def __init__(self):
-            self.signature = {"x": "*fp32", "n": "i32", "m": "i64", "f": "fp32", "B": "constexpr"}
-
-    class Compiled:
-        metadata, src = Meta(), Src()
-
-    assert native.kinds(Compiled()) == b"pilf-"
-    Compiled.src.signature = {"x": "*fp32", "d": "tensordesc<fp16[64, 64]>"}
-    assert native.kinds(Compiled()) is None  # Triton's launcher builds the descriptor
-    Compiled.src.signature = {"x": "*fp32"}
-    Meta.global_scratch_size = 128
-    assert native.kinds(Compiled()) is None
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("native_launch", [True, False], ids=["c launcher", "triton launcher"])
-def test_both_launchers_compute_the_same_on_every_path(native_launch, monkeypatch):
-    if not native_launch:
-        monkeypatch.setattr(native, "get", lambda: None)
-        _compiled.clear()
-    for n in (1, 13, 4096, 100_003):
-        x = torch.randn(n, device="cuda")
-        for view in (x, x[1:]):
-            for _ in range(2):  # the first call compiles, the second takes the cached entry
-                torch.testing.assert_close(run(view), view * 3.0 + 1)
-    x = torch.randn(5, 70, device="cuda")
-    for _ in range(2):
-        out = torch.full_like(x, float("nan"))
-        launch(add_rows, (5, 3), (x, out, 70, 70), {"BLOCK": 32}, num_warps=2)
-        torch.testing.assert_close(out, x + torch.arange(5.0, device="cuda")[:, None])
-    entries = [entry for key, entry in _compiled.items() if key[0] is scale_add]
-    assert all((entry[1] is not None) == native_launch for entry in entries)
-    _compiled.clear()
-
-
 def test_host_grid_arithmetic_agrees_with_tritons():
     from llmsys.triton_launch import cdiv, next_power_of_2
 
@@ -236,55 +154,3 @@ def test_host_grid_arithmetic_agrees_with_tritons():
         for b in (1, 2, 3, 16, 64, 127, 128):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
     assert next_power_of_2(0) == 1
-
-
-def test_the_c_launch_keys_a_cuda_call_as_python_does_and_leaves_the_rest_to_python():
-    """The C entry on a stand-in CUDA tensor (this machine may have no GPU): a miss returns the
-    key Python builds, a cached entry goes to the driver, and every call it does not cover
-    returns None for launcher.py to handle."""
-    module = native.get()
-
-    class CudaLike:  # what the C launcher reads of a tensor: get_device, dtype, data_ptr
-        dtype = torch.float16
-
-        def __init__(self, address):
-            self.address = address
-
-        def get_device(self):
-            return 0
-
-        def data_ptr(self):
-            return self.address
-
-    hooks = triton.knobs.runtime.launch_enter_hook
-    module.init(CudaLike, lambda: 0, lambda device: 0, triton.knobs.runtime)
-    try:
-        x, cache = CudaLike(4096), {}
-        args, constexprs, options = (x, CudaLike(4100), 7, 2.5), {"BLOCK": 64}, {"fp": False}
-        key = module.launch(cache, scale_add, (3, 2), args, constexprs, 4, None, options)
-        head = (scale_add, 0, 4, None, ("fp", False))
-        assert key == module.key(head, args, constexprs)
-        assert key[len(head) : len(head) + 2] == ((torch.float16, True), (torch.float16, False))
-        cache[key] = (None, b"ppif-", 128, 0, 0)  # a compiled kernel: the driver is called
-        try:  # with no function: no libcuda on this machine, or the driver refuses it
-            returned = module.launch(cache, scale_add, (3, 2), args, constexprs, 4, None, options)
-        except RuntimeError as error:
-            assert "native_launch" in str(error)
-        else:  # no current CUDA context on this thread: the key, for Triton's launcher
-            assert returned == key
-        cache[key] = (None, None, 128, 0, 0)  # a kernel for Triton's launcher: the key again
-        assert module.launch(cache, scale_add, 3, args, constexprs, 4, None, options) == key
-        for grid in (0, -1, (), (1, 2, 3, 4), (2, 0), 2.0, [3]):
-            assert module.launch(cache, scale_add, grid, args, constexprs, 4, None, {}) is None
-        cpu = (torch.zeros(4), *args[1:])
-        assert module.launch(cache, scale_add, 3, cpu, constexprs, 4, None, {}) is None
-        hooks.add(print)
-        try:
-            assert module.launch(cache, scale_add, 3, args, constexprs, 4, None, {}) is None
-        finally:
-            hooks.remove(print)
-        with pytest.raises(TypeError, match=r"native_launch\.launch"):
-            module.launch(cache, scale_add, 3, args, constexprs, 4, None)
-    finally:
-        native.get.cache_clear()
-        native.get()  # initialized again with torch's tensor type and functions

@@ -2,6 +2,8 @@
 and a call the recorder cannot vouch for goes to the impl."""
 
 import shutil
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -94,6 +96,15 @@ _lib = torch.library.Library("llmsys_test_plans", "FRAGMENT")
 affine_op = define_op(
     _lib, "affine(Tensor x, float alpha) -> Tensor", _affine, torch.empty_like, replays=True
 )
+
+
+def _affine_setup(ctx, inputs, output):
+    ctx.alpha = inputs[1]
+
+
+torch.library.register_autograd(
+    affine_op, lambda ctx, grad: (grad * ctx.alpha, None), setup_context=_affine_setup, lib=_lib
+)
 two_op = define_op(
     _lib,
     "two(Tensor x, Tensor y) -> (Tensor, Tensor?)",
@@ -146,6 +157,24 @@ def test_pointers_map_to_one_argument_or_allocation():
         _source(x.data_ptr() + 10_000_000, sources)
 
 
+def test_the_kinds_of_a_compiled_signature():
+    meta = SimpleNamespace(num_ctas=1, launch_cooperative_grid=False, launch_pdl=False)
+    meta.__dict__.update(global_scratch_size=0, profile_scratch_size=0, shared=1024)
+    meta.tensordesc_meta = None
+    compiled = SimpleNamespace(metadata=meta, src=SimpleNamespace())
+    compiled.src.signature = {"x": "*fp32", "n": "i32", "m": "i64", "f": "fp32", "B": "constexpr"}
+    assert plans._kinds(compiled) == "pilf-"
+    compiled.src.signature = {"x": "*fp32", "d": "tensordesc<fp16[64, 64]>"}
+    assert plans._kinds(compiled) is None  # passed as pointers: Triton's launcher builds it
+    meta.tensordesc_meta = [{}]
+    assert plans._kinds(compiled) == "pT"  # lowered to TMA: a plan encodes its tensor map
+    compiled.src.signature = {"x": "*fp32", "h": "fp16"}
+    assert plans._kinds(compiled) is None
+    compiled.src.signature = {"x": "*fp32"}
+    meta.global_scratch_size = 128
+    assert plans._kinds(compiled) is None
+
+
 def test_results_map_to_allocations():
     out = torch.empty(2, 3)
     assert _result(out, [out]) == (1, ((0,),))
@@ -184,7 +213,7 @@ def cpp_module():
     user's first call."""
     if shutil.which("g++") is None and shutil.which("clang++") is None:
         pytest.skip("no C++ compiler on this machine")
-    return native_build.load(native_build.build_plans(), "native_plans")
+    return native_build.load(native_build.build())
 
 
 def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl(cpp_module):
@@ -200,14 +229,6 @@ def test_the_cpp_module_builds_and_leaves_cpu_calls_to_the_impl(cpp_module):
         entry.install((x, 2.0), ((), (), (0, ())))
 
 
-def _python_plain_call(args: tuple):
-    """library._plain_call's pure-Python path: the reference for native_plans.plain."""
-    if not library._thread_state_plain():
-        return None
-    requires_grad = library._plain_arguments(args)
-    return None if requires_grad is None else requires_grad and library._autograd_records()
-
-
 class _Seen(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -218,7 +239,7 @@ def test_the_cpp_thread_state_test_agrees_with_pythons(cpp_module):
     verdicts = []
 
     def both(args, state):
-        verdicts.append((state, cpp_module.plain(args), _python_plain_call(args)))
+        verdicts.append((state, cpp_module.plain(args), library._plain_call(args)))
 
     both((x, 2.0, 3, True, None), "plain")
     both((x, w), "grad wanted")
@@ -279,6 +300,52 @@ def test_a_cpp_kernel_hands_every_argument_kind_to_the_impl_and_its_errors_back(
     with pytest.raises(ValueError, match="`mode` must not be 'bad'"):
         op(x, [0], "bad", x)
     assert "native_plans.Plans" in torch._C._dispatch_dump("llmsys_test_kernel::kinds")
+
+
+def _triple(x):
+    return x * 3
+
+
+_autograd_lib = torch.library.Library("llmsys_test_autograd", "DEF")
+_autograd_lib.define("triple(Tensor x) -> Tensor")
+_autograd_lib.impl("triple", _triple, "CPU")
+torch.library.register_autograd(
+    "llmsys_test_autograd::triple", lambda ctx, grad: grad * 3, lib=_autograd_lib
+)
+
+
+def _python_calls(call) -> tuple:
+    """``call()``'s result and the names of the Python functions it entered."""
+    names = []
+    sys.setprofile(lambda frame, event, arg: event == "call" and names.append(frame.f_code.co_name))
+    try:
+        result = call()
+    finally:
+        sys.setprofile(None)
+    return result, names
+
+
+def test_the_cpp_autograd_kernel_skips_pythons_where_autograd_records_nothing(cpp_module):
+    # register_autograd puts the C++ kernel in front of torch's Python autograd kernel (for CUDA
+    # in define_op; CPU here): calls that record nothing skip it, the others reach the formula.
+    op = torch.ops.llmsys_test_autograd.triple.default
+    cpp_module.register_autograd("llmsys_test_autograd::triple", "AutogradCPU")
+    assert "llmsys native_plans autograd" in torch._C._dispatch_dump("llmsys_test_autograd::triple")
+    x = torch.randn(5)
+    leaf = torch.randn(5, requires_grad=True)
+    for grad_free in (lambda: op(x), lambda: torch.no_grad()(op)(leaf)):
+        out, names = _python_calls(grad_free)
+        assert "autograd_impl" not in names and "_triple" in names
+        assert not out.requires_grad
+    with torch._C._AutoDispatchBelowAutograd():
+        assert not op(leaf).requires_grad
+    torch.testing.assert_close(op(x), x * 3, rtol=0, atol=0)
+    out, names = _python_calls(lambda: op(leaf))
+    assert "autograd_impl" in names  # torch's kernel: the register_autograd formula
+    v = torch.randn(5)
+    (grad,) = torch.autograd.grad(out, leaf, v)
+    torch.testing.assert_close(grad, v * 3, rtol=0, atol=0)
+    torch.testing.assert_close(out, leaf.detach() * 3, rtol=0, atol=0)
 
 
 # --- on a GPU: replay --------------------------------------------------------------------------
@@ -510,3 +577,39 @@ def test_assert_replays_passes_ops_that_replay_and_names_why_one_does_not(native
             assert_replays(lambda: call_below_autograd(affine_op, x, 2.0))
     finally:
         hooks.remove(print)
+
+
+@pytest.mark.gpu
+def test_the_engine_off_gives_the_bits_of_a_replay(native):
+    # One op per kind of plan step: a copy of a strided argument and a scalar that does not
+    # round away (affine), two launches into views with a None (two), a TMA tensor map (tiles).
+    base = torch.randn(3 * 4096, device="cuda")
+    other = torch.randn(3, 300, device="cuda")  # (arguments that share memory are refused)
+    cases = [(affine_op, (base[::3], 0.3)), (two_op, (other, base[:900]))]
+    if TensorDescriptor is not None and torch.cuda.get_device_capability()[0] >= 9:
+        cases.append((tiles_op, (base[: 64 * 96].view(64, 96),)))
+    for op, args in cases:
+        assert_replays(lambda op=op, args=args: call_below_autograd(op, *args), op)
+        replayed = call_below_autograd(op, *args)
+        with disabled():
+            off = call_below_autograd(op, *args)
+        for r, o in zip(*(x if type(x) is tuple else (x,) for x in (replayed, off)), strict=True):
+            same_bits = r is o is None or torch.equal(r.view(torch.int32), o.view(torch.int32))
+            assert same_bits, op
+
+
+@pytest.mark.gpu
+def test_the_op_by_name_replays_without_grad_and_differentiates_with_it(native):
+    x = torch.randn(300, device="cuda")
+    assert_replays(lambda: affine_op(x, 0.5), affine_op)  # past torch's Python autograd kernel
+    dump = torch._C._dispatch_dump("llmsys_test_plans::affine")
+    assert "llmsys native_plans autograd" in dump and "native_plans.Plans" in dump
+    leaf = torch.randn(300, device="cuda", requires_grad=True)
+    v = torch.randn(300, device="cuda")
+    for _ in range(4):  # recorded and replayed below the formula, as without grad
+        out = affine_op(leaf, 0.5)
+        (grad,) = torch.autograd.grad(out, leaf, v)
+        torch.testing.assert_close(out, leaf.detach() * 0.5 + 1, rtol=0, atol=0)
+        torch.testing.assert_close(grad, v * 0.5, rtol=0, atol=0)
+    with torch.no_grad():
+        assert not affine_op(leaf, 0.5).requires_grad

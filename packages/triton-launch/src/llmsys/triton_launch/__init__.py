@@ -25,7 +25,7 @@ from .library import (
     wants_grad,
 )
 
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 __all__ = [
     "Launch",

@@ -5,10 +5,10 @@ specialization key and looks the kernel up on every call: about 10 us of host ti
 host, as much as a small kernel's GPU time. Here the key is computed from what Triton
 specializes on (a pointer's dtype and 16-byte alignment; an integer's equality to 1,
 divisibility by 16 and width; a tensor descriptor's dtype and block shape) and the compiled
-kernel is launched by a small C function (``native_launch.c``: pack the arguments, call
-``cuLaunchKernel``), or, where that is not built or the kernel needs more, through Triton's
-``CompiledKernel.run``, whose arguments have been the same from triton 3.4 to 3.9. The launch
-enqueues on the current stream and never synchronizes, so it can be captured in a CUDA graph.
+kernel is launched through Triton's ``CompiledKernel.run``, whose arguments have been the same
+from triton 3.4 to 3.9. The launch enqueues on the current stream and never synchronizes, so it
+can be captured in a CUDA graph. (An op's replayed calls launch in C++, past all of this:
+plans.py.)
 """
 
 from __future__ import annotations
@@ -18,16 +18,13 @@ import threading
 import torch
 import triton
 
-from . import native
-
 try:  # host-side tensor descriptors for the copy engine (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-# specialization key -> (compiled kernel, its native_launch kinds or None, threads per program,
-# shared bytes, CUfunction): the layout native_launch.c reads.
-_compiled: dict[tuple, tuple] = {}
+# specialization key (_python_key) -> compiled kernel
+_compiled: dict[tuple, object] = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -86,8 +83,8 @@ def _key(value) -> object:
 
 
 def _python_key(head: tuple, args: tuple, constexprs: dict) -> tuple:
-    """The specialization key where the C launcher is not built or an argument is one it does
-    not key (a tensor descriptor, None, an int past 64 bits)."""
+    """The specialization key of a launch: ``head`` (kernel, device, num_warps, num_stages, the
+    options' items), one entry per argument, the constexpr values."""
     return (*head, *[_key(a) for a in args], *constexprs.values())
 
 
@@ -171,15 +168,6 @@ def _launch(kernel, grid, args, constexprs: dict, num_warps, num_stages, options
         recording.active.launches.append(
             (kernel, grid, args, constexprs, num_warps, num_stages, options)
         )
-    module = native.get()
-    key = None
-    if module is not None:  # the whole launch in C, when it can be had
-        key = module.launch(
-            _compiled, kernel, grid, args, constexprs, num_warps, num_stages, options
-        )
-        if key is True:
-            return
-    # A miss, a call the C launcher leaves to Python, or no C launcher.
     sizes = _checked_grid(grid)
     if sizes is None:  # a size of 0: nothing to launch
         return
@@ -193,13 +181,9 @@ def _launch(kernel, grid, args, constexprs: dict, num_warps, num_stages, options
         kernel[(grid_x, grid_y, grid_z)](*args, **constexprs)
         return
     fast = device == _current_device() and not _launch_hooks_installed()
-    if key is None:
-        head = (kernel, device, num_warps, num_stages, *options.items())
-        key = module.key(head, args, constexprs) if module is not None else None
-        if key is None:
-            key = _python_key(head, args, constexprs)
-    entry = _compiled.get(key)
-    if entry is None or not fast:
+    key = _python_key((kernel, device, num_warps, num_stages, *options.items()), args, constexprs)
+    compiled = _compiled.get(key)
+    if compiled is None or not fast:
         # The ordinary launch: compiles on first use, sets the device, runs profiler hooks.
         _check_order(kernel, args, constexprs)
         options = {**options, "num_warps": num_warps}
@@ -208,11 +192,8 @@ def _launch(kernel, grid, args, constexprs: dict, num_warps, num_stages, options
         with torch.cuda.device(device):
             compiled = kernel[(grid_x, grid_y, grid_z)](*args, **constexprs, **options)
         if not runs_under_interpreter(kernel):
-            kinds = native.kinds(compiled) if module is not None else None
-            meta = compiled.metadata
-            _compiled[key] = (compiled, kinds, 32 * meta.num_warps, meta.shared, compiled.function)
+            _compiled[key] = compiled
         return
-    compiled = entry[0]  # a kernel the C launcher does not take: Triton's launcher
     compiled.run(
         grid_x,
         grid_y,

@@ -14,7 +14,7 @@ public functions and its ``autograd.Function``\\ s) go to the implementation dir
 that is all the dispatcher would do, and through the op otherwise: under ``torch.compile``,
 dispatch and function modes (fake tensors), functorch transforms, ``torch.jit.trace``, the
 profiler (which then shows the op by name), and for tensor subclasses or devices other than CPU
-and CUDA (``_direct_call_ok``).
+and CUDA (``_plain_call``).
 
 Each op's calls go through its entry (``_impls``): a ``PythonEntry`` (the impl), or after the
 op's first CUDA call a ``native_plans.Plans`` that replays a recorded plan of the impl where it
@@ -36,7 +36,7 @@ from functools import cache
 
 import torch
 
-from . import native, plans
+from . import launcher, native, plans
 
 # The Python kernel's keys. CUDA calls reach it through CompositeExplicitAutograd (every backend)
 # until the op's C++ entry is registered for CUDA itself, which the dispatcher then prefers:
@@ -100,8 +100,10 @@ class PythonEntry:
         return self.op(*args)
 
     def _upgraded(self, args: tuple):
-        """The native entry that replaces this one (registered as the op's CUDA kernel), at the
-        first call with a CUDA tensor; None where the C++ module cannot be had."""
+        """The native entry that replaces this one, at the first call with a CUDA tensor; None
+        where the C++ module cannot be had. It becomes the op's CUDA kernel, and where the op has
+        a ``register_autograd`` formula, a C++ kernel in front of torch's autograd kernel for
+        CUDA sends calls that autograd does not record straight to it."""
         if not any(type(a) is torch.Tensor and a.is_cuda for a in args):
             return None
         self.upgradable = False
@@ -109,7 +111,10 @@ class PythonEntry:
         if module is None:
             return None
         entry = module.Plans(self.impl, self.op, self.replays)
-        entry.register_kernel(self.op._schema.name, "CUDA")
+        name = self.op._schema.name
+        entry.register_kernel(name, "CUDA")
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"):
+            module.register_autograd(name, "AutogradCUDA")
         _impls[self.op] = entry
         return entry
 
@@ -119,12 +124,9 @@ def native_module():
     """The compiled ``native_plans`` module, initialized, or None (with one warning saying why)."""
     if os.environ.get("LLMSYS_NATIVE_PLANS", "1") == "0":
         return None
-    launch_module = native.get()
-    if launch_module is None:
-        return None
     try:
-        module = native.load(native.build_plans(), "native_plans")
-        module.init(launch_module.hooks_installed, plans.record, launch_module.driver())
+        module = native.load(native.build())
+        module.init(plans.record, launcher._runtime_knobs)
         return module
     except Exception as error:  # no C++ compiler, no headers, no driver: the impls still work
         warnings.warn(
@@ -161,7 +163,7 @@ def disabled():
             module.set_enabled(before)
 
 
-# The thread-state tests of _direct_call_ok, bound once: an attribute chain per test per call was
+# The thread-state tests of _plain_call, bound once: an attribute chain per test per call was
 # a third of its cost.
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -172,55 +174,28 @@ _profiling = torch._C._autograd._profiler_enabled
 _Tensor, _strided = torch.Tensor, torch.strided
 
 
-def _thread_state_plain() -> bool:
-    """No tracing, mode, transform or thread-local profiler on this thread."""
-    return not (
+def _plain_call(args: tuple) -> bool | None:
+    """False when the impl may be called directly with ``args``: the dispatcher, past autograd,
+    would do nothing but call it and autograd records nothing. True: a tensor requires grad and
+    autograd records. None: anything else (the op): tracing, a mode, a transform, a thread-local
+    profiler, or an argument other than a strided CPU or CUDA tensor of the Tensor class itself,
+    an int, a float, a bool or None. (``native_plans.plain`` is the same test in C++, for the
+    calls a native entry takes.)
+
+    Observers that hook into the dispatcher globally rather than per thread (a standalone
+    ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
+    (a function mode) sends every call through the op."""
+    if (
         _is_compiling()  # first: dynamo folds it and skips the rest
         or _dispatch_modes()
         or _function_mode()
         or _functorch_layers() is not None
         or _tracing_state() is not None
         or _profiling()
-    )
-
-
-_THREAD_TESTS = (  # (_is_compiling is asked first, in Python: dynamo folds it)
-    _dispatch_modes,
-    _function_mode,
-    _functorch_layers,
-    _tracing_state,
-    _profiling,
-)  # each returns a false value on a plain thread (0, False or None)
-
-
-def _plain_call(args: tuple) -> bool | None:
-    """False when the impl may be called directly with ``args``: the dispatcher, past
-    autograd, would do nothing but call it (``_direct_call_ok``) and autograd records nothing.
-    True: a tensor requires grad and autograd records. None: anything else (the op).
-
-    One C call where the C launcher is built (``native_launch.plain``, the same test); else
-    the Python below."""
-    if _is_compiling():
-        return None
-    module = native.get()
-    if module is not None:
-        return module.plain(args, _THREAD_TESTS, _autograd_records, _strided)
-    if not _thread_state_plain():
+    ):
         return None
     requires_grad = _plain_arguments(args)
     return requires_grad and _autograd_records()
-
-
-def _direct_call_ok(args: tuple) -> bool:
-    """True when the dispatcher, past autograd, would do nothing but call the op's impl: no
-    tracing, mode, transform or thread-local profiler, every tensor argument a strided tensor of
-    the Tensor class itself on CPU or CUDA, and every other argument an int, float, bool or
-    None.
-
-    Observers that hook into the dispatcher globally rather than per thread (a standalone
-    ``ExecutionTraceObserver``) do not see the calls this lets past it; ``set_default_device``
-    (a function mode) sends every call through the op."""
-    return _plain_call(args) is not None
 
 
 def _plain_arguments(args: tuple) -> bool | None:

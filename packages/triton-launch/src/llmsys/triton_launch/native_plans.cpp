@@ -16,13 +16,16 @@
  *   capture is put off to a later call (a tuner does not tune there).
  * A full table (256 signatures) drops its signatures without a plan, then, if still full, all.
  *
- *   init(hooks_installed, recorder, driver)
- *       once: native_launch.hooks_installed, plans.py's recorder(impl, args) -> (result, plan or why
- *       not), and native_launch.driver(): cuLaunchKernel and cuTensorMapEncodeTiled as capsules
+ *   init(recorder, runtime_knobs)
+ *       once: plans.py's recorder(impl, args) -> (result, plan or why not), and
+ *       triton.knobs.runtime (whose launch_enter_hook is read before each replay); loads the
+ *       driver (libcuda.so.1: cuLaunchKernel, cuTensorMapEncodeTiled), so it raises without one
  *   plain(args) -> library._plain_call(args) as the entries ask it, from torch's thread-locals
  *       (False: the impl directly; True: autograd records; None: the op)
  *   set_enabled(flag) -> the previous setting: False runs every call's impl (tests that poison
  *       fresh memory); signatures are kept
+ *   register_autograd(name, key): a kernel for "AutogradCUDA" in front of the op's
+ *       register_autograd kernel, for the calls autograd does not record (see there)
  *   Plans(impl, op, replays=False)
  *       replays: define_op's declaration that the op is expected to replay (plans.replays)
  *       plans(*args): the impl's result, replayed where a plan exists (the op's Python kernel:
@@ -31,7 +34,7 @@
  *           ("CUDA"): a call with a plan replays from the dispatcher's arguments without
  *           Python; anything else is plans(*args) with those arguments as Python objects
  *       plans.below_autograd(args): library.call_below_autograd: the impl's result (replayed
- *           where it can be) when native_launch.plain says autograd records nothing and the
+ *           where it can be) when plain(args) says autograd records nothing and the
  *           dispatcher would only call the impl; else op(*args)
  *       plans.install(args, plan): install a plan for args' signature (tests)
  *       plans.report(): {'planned', 'pending', 'refused': signatures in each state, 'calls',
@@ -44,15 +47,14 @@
  *   launches: ((function, (grid_x, grid_y, grid_z), threads, shared_bytes, params), ...), in
  *       order, where a step (index,) is a contiguous copy of argument `index` (an impl's
  *       `.contiguous()` of a strided argument),
- *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds as
- *       native_launch.c's ('p' pointer, 'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8,
- *       'f' float32, 'd' float64, 't' a host tensor descriptor's tensor map, passed by value);
+ *       params: ((kind, source, index, value), ...) one per kernel parameter, kinds 'p' pointer,
+ *       'i' int32, 'l' int64, 'I' uint32, 'L' uint64, 'b' int8, 'f' float32, 'd' float64, 't' a
+ *       host tensor descriptor's tensor map, passed by value;
  *       source 0: the constant value; 1: the data pointer of argument `index` plus `value`
  *       bytes; 2: the same of allocation `index`; 3: of copy `index`. A 't' parameter is
  *       (kind, source, index, offset, (dtype, swizzle, fill, dims, byte strides, box)): the
  *       tensor map is encoded at each replay for the new address, as Triton's launcher encodes
- *       it (innermost dimension first). Triton's two scratch
- *       pointers (NULL) are appended, as native_launch.c does.
+ *       it (innermost dimension first). Triton's two scratch pointers (NULL) are appended.
  *   result: (0, ()) None; (1, (output,)) one tensor; (2, (output, ...)) a tuple, where an output
  *       is (allocation,) or (allocation, sizes, strides, storage_offset) for a view of it.
  *
@@ -76,12 +78,13 @@
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
+#include <torch/version.h>
+
+#include <dlfcn.h>
 
 #include <cstring>
 #include <memory>
 #include <string>
-
-#include "native_slot.h"
 #include <unordered_map>
 #include <vector>
 
@@ -97,8 +100,19 @@ typedef int (*encode_tiled_t)(void *map, int dtype, unsigned rank, void *address
                               int l2_promotion, int oob_fill);
 
 launch_kernel_t cu_launch_kernel = nullptr;
-encode_tiled_t cu_tensor_map_encode_tiled = nullptr;
-PyObject *hooks_fn, *recorder;  // NULL until init()
+encode_tiled_t cu_tensor_map_encode_tiled = nullptr;  // NULL before CUDA 12
+PyObject *recorder, *runtime_knobs;  // NULL until init()
+PyObject *enter_hook_name, *calls_name;
+
+union Slot {  // one kernel parameter's bytes, as cuLaunchKernel reads them (a pointer to each)
+    uint64_t u64;
+    int64_t i64;
+    uint32_t u32;
+    int32_t i32;
+    int8_t i8;
+    float f32;
+    double f64;
+};
 bool enabled = true;  // set_enabled(False): every call runs the impl (tests that poison memory)
 
 constexpr int MAX_PARAMS = 128;
@@ -575,7 +589,6 @@ PyObject *call_impl(PlansObject *self, PyObject *const *args, Py_ssize_t n, cons
     return PyObject_Vectorcall(self->impl, args, n, NULL);
 }
 
-/* The impl's result for args, replayed or recorded where the signature allows. */
 /* Make room for a new signature in a full table: drop the signatures without a plan, and if every
  * one has a plan, all of them (a workload whose shapes keep changing keeps getting plans). */
 void make_room(Table *table) {
@@ -591,15 +604,22 @@ void make_room(Table *table) {
     if (table->size() >= MAX_SIGNATURES) clear_table(table);
 }
 
-/* Whether a plan may replay now: replay on, and no Triton launch hooks (a profiler must see
- * every launch: the impl, before anything that could run Python while a plan is in use); -1
- * with an error set. */
+/* Whether a plan may replay now: replay on, and no Triton launch hooks installed (a profiler
+ * must see every launch: the impl); -1 with an error set. The hooks are
+ * triton.knobs.runtime.launch_enter_hook: a HookChain, whose list `calls` is empty by default
+ * (an older Triton: the hook itself, or None). */
 int replays_now() {
     if (!enabled) return 0;
-    PyObject *hooked = PyObject_CallNoArgs(hooks_fn);
-    if (hooked == NULL) return -1;
-    int installed = PyObject_IsTrue(hooked);
-    Py_DECREF(hooked);
+    PyObject *hook = PyObject_GetAttr(runtime_knobs, enter_hook_name);
+    if (hook == NULL) return -1;
+    PyObject *calls = PyObject_GetAttr(hook, calls_name);
+    if (calls == NULL) {
+        PyErr_Clear();
+        calls = Py_NewRef(hook);
+    }
+    int installed = PyObject_IsTrue(calls);
+    Py_DECREF(calls);
+    Py_DECREF(hook);
     return installed < 0 ? -1 : !installed;
 }
 
@@ -664,7 +684,9 @@ PyObject *run(PlansObject *self, PyObject *const *args, Py_ssize_t n) {
         return result;
     }
     if (PyUnicode_Check(data) || e.refused) {
-        if (!e.refused) e.why = std::string("refused: ") + PyUnicode_AsUTF8(data);
+        const char *why = e.refused ? NULL : PyUnicode_AsUTF8(data);
+        if (why != NULL) e.why = std::string("refused: ") + why;
+        PyErr_Clear();
         e.refused = true;
         Py_CLEAR(e.first);
         Py_DECREF(data);
@@ -718,7 +740,7 @@ PyObject *plans_vectorcall(PyObject *callable, PyObject *const *args, size_t nar
         *self->why_not = "keyword arguments";
         return PyObject_Vectorcall(self->impl, args, nargsf, kwnames);
     }
-    if (hooks_fn == NULL) return call_impl(self, args, n, "native_plans.init() was not called");
+    if (recorder == NULL) return call_impl(self, args, n, "native_plans.init() was not called");
     // Under the dispatcher the thread-state test still decides: a mode or a tracer the impl's own
     // allocations would meet sends the call to the impl.
     bool direct = plain_call(args, n) != Verdict::op;
@@ -885,12 +907,78 @@ PyObject *plans_register_kernel(PlansObject *self, PyObject *const *args, Py_ssi
     END_HANDLE_TH_ERRORS
 }
 
+// --- the op's autograd kernel for CUDA --------------------------------------------------------
+// An op with a torch.library.register_autograd formula is called by name through torch's Python
+// autograd kernel, even where autograd records nothing: about 10 us of host time on an H100
+// host. Registered for AutogradCUDA, this kernel sends such a call below autograd as that
+// kernel's no-grad branch does (without Python), and hands every other call to that kernel,
+// kept from before: the formula stays the one torch.library.register_autograd wired.
+
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9  // (getComputedKernelForDispatchKey)
+bool any_requires_grad(c10::ArrayRef<c10::IValue> args) {  // torch._C._any_requires_grad
+    auto wants = [](const c10::IValue &v) {
+        return v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad();
+    };
+    for (const c10::IValue &arg : args) {
+        if (wants(arg)) return true;
+        if (arg.isList())
+            for (const c10::IValue &item : arg.toListRef())
+                if (wants(item)) return true;
+    }
+    return false;
+}
+
+class AutogradKernel final : public c10::OperatorKernel {
+  public:
+    explicit AutogradKernel(c10::SafeKernelFunction formula) : formula_(std::move(formula)) {}
+
+    void operator()(const c10::OperatorHandle &op, c10::DispatchKeySet keys,
+                    torch::jit::Stack *stack) {
+        size_t n = op.schema().arguments().size();
+        if (c10::GradMode::is_enabled() && any_requires_grad(torch::jit::last(*stack, n))) {
+            formula_.callBoxed(op, keys, stack);
+            return;
+        }
+        c10::impl::ExcludeDispatchKeyGuard below(c10::autograd_dispatch_keyset);
+        op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+    }
+
+  private:
+    c10::SafeKernelFunction formula_;  // torch's autograd kernel of the op, before this one
+};
+#endif
+
+/* register_autograd(qualified_name, dispatch_key): put an AutogradKernel in front of the op's
+ * autograd kernel for that key ("AutogradCUDA"; "AutogradCPU" in tests). */
+PyObject *register_autograd(PyObject *, PyObject *const *args, Py_ssize_t n) {
+    const char *name, *key;
+    if (n != 2 || !(name = PyUnicode_AsUTF8(args[0])) || !(key = PyUnicode_AsUTF8(args[1]))) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "native_plans.register_autograd(name: str, key: str)");
+        return NULL;
+    }
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 9
+    HANDLE_TH_ERRORS
+    c10::DispatchKey dispatch_key = c10::parseDispatchKey(key);
+    c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+    auto kernel = std::make_unique<AutogradKernel>(op.getComputedKernelForDispatchKey(dispatch_key));
+    new c10::RegistrationHandleRAII(c10::Dispatcher::singleton().registerImpl(  // (kept: as above)
+        op.operator_name(), dispatch_key,
+        c10::KernelFunction::makeFromBoxedKernel(c10::BoxedKernel::makeFromFunctor(std::move(kernel))),
+        std::nullopt, nullptr, "llmsys native_plans autograd"));
+    Py_RETURN_NONE;
+    END_HANDLE_TH_ERRORS
+#else
+    Py_RETURN_NONE;  // an older torch: its autograd kernel takes every call
+#endif
+}
+
 PyObject *plans_below_autograd(PlansObject *self, PyObject *args) {
     if (!PyTuple_Check(args)) {
         PyErr_SetString(PyExc_TypeError, "Plans.below_autograd(args: tuple)");
         return NULL;
     }
-    if (hooks_fn == NULL) {
+    if (recorder == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "native_plans: init() was not called");
         return NULL;
     }
@@ -998,22 +1086,27 @@ PyMemberDef plans_members[] = {
 PyTypeObject PlansType = {PyVarObject_HEAD_INIT(NULL, 0)};
 
 PyObject *init(PyObject *, PyObject *const *args, Py_ssize_t n) {
-    PyObject *launch, *encode;
-    if (n != 3 || !PyArg_ParseTuple(args[2], "OO", &launch, &encode)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "native_plans.init(hooks_installed, recorder, native_launch.driver())");
+    if (n != 2) {
+        PyErr_SetString(PyExc_TypeError, "native_plans.init(recorder, runtime_knobs)");
         return NULL;
     }
-    void *function = PyCapsule_GetPointer(launch, "cuLaunchKernel");
-    if (function == NULL) return NULL;
-    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(function);
-    if (encode != Py_None) {
-        function = PyCapsule_GetPointer(encode, "cuTensorMapEncodeTiled");
-        if (function == NULL) return NULL;
-        cu_tensor_map_encode_tiled = reinterpret_cast<encode_tiled_t>(function);
+    void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  // (kept open for good)
+    if (driver == NULL) {
+        PyErr_Format(PyExc_RuntimeError, "native_plans: cannot open libcuda.so.1: %s", dlerror());
+        return NULL;
     }
-    Py_XSETREF(hooks_fn, Py_NewRef(args[0]));
-    Py_XSETREF(recorder, Py_NewRef(args[1]));
+    cu_launch_kernel = reinterpret_cast<launch_kernel_t>(dlsym(driver, "cuLaunchKernel"));
+    cu_tensor_map_encode_tiled =
+        reinterpret_cast<encode_tiled_t>(dlsym(driver, "cuTensorMapEncodeTiled"));
+    if (cu_launch_kernel == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError, "native_plans: libcuda has no cuLaunchKernel");
+        return NULL;
+    }
+    enter_hook_name = PyUnicode_InternFromString("launch_enter_hook");
+    calls_name = PyUnicode_InternFromString("calls");
+    if (enter_hook_name == NULL || calls_name == NULL) return NULL;
+    Py_XSETREF(recorder, Py_NewRef(args[0]));
+    Py_XSETREF(runtime_knobs, Py_NewRef(args[1]));
     Py_RETURN_NONE;
 }
 
@@ -1037,6 +1130,8 @@ PyObject *set_enabled(PyObject *, PyObject *flag) {
 
 PyMethodDef module_methods[] = {
     {"init", (PyCFunction)(void (*)(void))init, METH_FASTCALL, "Set the Python callables."},
+    {"register_autograd", (PyCFunction)(void (*)(void))register_autograd, METH_FASTCALL,
+     "Short-cut the op's autograd kernel for a dispatch key where autograd records nothing."},
     {"plain", plain, METH_O,
      "library._plain_call(args) as the entries ask it: False (direct), True (autograd records) "
      "or None (the op)."},

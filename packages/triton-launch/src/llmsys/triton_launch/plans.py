@@ -11,7 +11,7 @@ H100 host, DECISIONS.md). This module records what the impl did, for that file t
 contiguous copies of its arguments and refuses anything else that reaches the dispatcher (a
 fill, arithmetic, a value read back), while ``launcher`` lists its launches. The recording
 becomes a plan only when everything the impl did is one of: allocate, take a view, copy an
-argument to a contiguous tensor, launch a kernel that the C launcher can launch, return fresh
+argument to a contiguous tensor, launch a kernel that a plan can launch, return fresh
 tensors (or None). ``native_plans.cpp`` records each signature twice and keeps a plan only when
 both recordings agree, so anything that changes from call to call (a tuner's first runs, a
 counter) leaves the signature to the impl.
@@ -28,10 +28,14 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import launcher, native
+from . import launcher
 
 aten = torch.ops.aten
 MAX_PARAMS, MAX_MAPS = 128, 8  # native_plans.cpp's limits per launch (Triton's 2 scratch included)
+MAX_SHARED_BYTES = 228 * 1024  # above this Triton asks for an oversized-shared-memory launch
+# Triton signature types -> a plan's parameter kinds (integers, floats; constexprs are none).
+_KINDS = {"i1": "b", "i32": "i", "i64": "l", "u32": "I", "u64": "L", "fp32": "f", "f32": "f"}
+_KINDS |= {"fp64": "d", "constexpr": "-"}
 # What a plan may contain besides launches: allocations, and views (metadata only).
 _ALLOCATIONS = frozenset(
     (
@@ -185,15 +189,10 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
         type(base) is not torch.Tensor or base.get_device() != device, "a launch off the device"
     )
     head = (kernel, device, num_warps, num_stages, *options.items())
-    key = native.get().key(head, tuple(args), constexprs)
-    entry = launcher._compiled.get(
-        key if key is not None else launcher._python_key(head, args, constexprs)
-    )
-    _refuse(entry is None, "a launch not in the cache of compiled kernels")
-    compiled = entry[0]
-    kinds = entry[1] or native.kinds(compiled, descriptors=True)  # descriptors: Triton's launcher
-    _refuse(kinds is None, "a kernel that needs Triton's own launcher")
-    kinds = kinds.decode()
+    compiled = launcher._compiled.get(launcher._python_key(head, args, constexprs))
+    _refuse(compiled is None, "a launch not in the cache of compiled kernels")
+    kinds = _kinds(compiled)
+    _refuse(kinds is None, "a kernel that needs Triton's own launcher (scratch, clusters, ...)")
     _refuse(
         len(kinds) < len(args) or kinds[len(args) :].strip("-") != "",
         "a constexpr kernel parameter",
@@ -217,6 +216,39 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
     grid3 = sizes + (1,) * (3 - len(sizes))
     shared = compiled.metadata.shared
     return compiled.function, grid3, 32 * compiled.metadata.num_warps, shared, tuple(params)
+
+
+def _kinds(compiled) -> str | None:
+    """One character per kernel argument, as a plan's parameters hold them (native_plans.cpp),
+    ``T`` for a host tensor descriptor the kernel lowered to TMA and ``-`` for one that is no
+    parameter (a constexpr); None when the kernel needs something only Triton's launcher does
+    (scratch buffers, clusters, cooperative grids, programmatic dependent launch, oversized
+    shared memory, a descriptor passed as pointers, a tuple, a 16-bit float scalar)."""
+    meta = compiled.metadata
+    if (
+        getattr(meta, "num_ctas", 1) != 1
+        or getattr(meta, "launch_cooperative_grid", False)
+        or getattr(meta, "launch_pdl", False)
+        or getattr(meta, "global_scratch_size", 0)
+        or getattr(meta, "profile_scratch_size", 0)
+        or meta.shared > MAX_SHARED_BYTES
+    ):
+        return None
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if not isinstance(signature, dict):
+        return None
+    lowered = getattr(meta, "tensordesc_meta", None)  # one entry per descriptor, or None
+    kinds = []
+    for ty in signature.values():
+        if lowered and isinstance(ty, str) and ty.startswith("tensordesc"):
+            kinds.append("T")
+        elif isinstance(ty, str) and ty.startswith("*"):
+            kinds.append("p")
+        elif _KINDS.get(ty) is None:
+            return None
+        else:
+            kinds.append(_KINDS[ty])
+    return "".join(kinds)
 
 
 def _descriptor(descriptor, meta: dict, sources: list) -> list:
