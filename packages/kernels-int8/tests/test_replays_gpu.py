@@ -1,7 +1,8 @@
 """Every op the package declares with ``define_op(..., replays=True)`` replays its recorded
-launches at a typical decode shape (a few tokens of a 4096-wide model, bfloat16): an impl that
-starts calling another ATen op (a ``.sum()``, a ``.item()``) fails here instead of silently
-costing host time on every call."""
+launches at a typical decode shape (a few tokens of a 4096-wide model, bfloat16; the quantizing
+GEMM also at a prefill shape, where it takes the TMA kernel): an impl that starts calling another
+ATen op (a ``.sum()``, a ``.item()``) fails here instead of silently costing host time on every
+call."""
 
 import pytest
 import torch
@@ -19,12 +20,13 @@ from llmsys.triton_launch.testing import assert_replays
 
 pytestmark = pytest.mark.gpu
 
-ROWS, HIDDEN, INTERMEDIATE = 8, 4096, 14336
+ROWS, PREFILL_ROWS, HIDDEN, INTERMEDIATE = 8, 512, 4096, 14336
 CASES = [
     "quantize",
     "matmul",
     "matmul_out",
     "matmul_quantize",
+    "matmul_quantize_prefill",
     "silu_mul_quantize",
     "rms_norm_quantize",
     "rms_norm_quantize_residual",
@@ -42,6 +44,7 @@ def test_declared_op_replays(case):
     q, scale = quantize_int8_perrow(x)
     out = torch.empty(ROWS, INTERMEDIATE, device="cuda", dtype=torch.bfloat16)
     gate, up = rand(ROWS, INTERMEDIATE), rand(ROWS, INTERMEDIATE)
+    prefill = rand(PREFILL_ROWS, HIDDEN)
     call, op = {
         "quantize": (lambda: quantize_int8_perrow(x), ops.int8_quantize_perrow),
         "matmul": (lambda: ops.int8_matmul(q, scale, b, b_scale), ops.int8_matmul),
@@ -51,6 +54,10 @@ def test_declared_op_replays(case):
         ),
         "matmul_quantize": (
             lambda: ops.int8_matmul_quantize(x, b, b_scale),
+            ops.int8_matmul_quantize,
+        ),
+        "matmul_quantize_prefill": (
+            lambda: ops.int8_matmul_quantize(prefill, b, b_scale),
             ops.int8_matmul_quantize,
         ),
         "silu_mul_quantize": (lambda: silu_mul_quantize_int8(gate, up), int8_silu_mul_quantize),
