@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from llmsys.kernels_fused import (
+    LlamaStyleRMSNorm,
     RMSNorm,
     rms_norm,
     rms_norm_backward_reference,
@@ -385,7 +386,7 @@ def test_int_eps_is_taken_as_a_float(device):
 
 
 def test_module_is_llama_rmsnorm_shaped(device):
-    norm = RMSNorm(33, eps=1e-5).to(device)
+    norm = LlamaStyleRMSNorm(33, eps=1e-5).to(device)
     assert torch.equal(norm.weight, torch.ones(33, device=device))
     assert norm.variance_epsilon == 1e-5 and set(norm.state_dict()) == {"weight"}
     with torch.no_grad():
@@ -403,7 +404,7 @@ def test_module_matches_transformers_llama_rmsnorm(device):
     theirs = llama.LlamaRMSNorm(130, eps=1e-6).to(device)
     with torch.no_grad():
         theirs.weight.copy_(rand((130,), torch.float32, device))
-    ours = RMSNorm(130).to(device)
+    ours = LlamaStyleRMSNorm(130).to(device)
     ours.load_state_dict(theirs.state_dict())
     x = rand((5, 130), torch.bfloat16, device)  # bf16 activations, float32 weight: autocast's case
     expected = theirs(x)
@@ -413,8 +414,12 @@ def test_module_matches_transformers_llama_rmsnorm(device):
 
 
 def test_module_rejects_bad_hidden_size():
-    with pytest.raises(ValueError, match="RMSNorm: `hidden_size` must be a positive int, got 0"):
-        RMSNorm(0)
+    with pytest.raises(ValueError, match="LlamaStyleRMSNorm: `hidden_size` must be a positive int"):
+        LlamaStyleRMSNorm(0)
+
+
+def test_rmsnorm_is_the_earlier_name_of_the_module():
+    assert RMSNorm is LlamaStyleRMSNorm
 
 
 def test_compile_fullgraph_forward_and_backward(device):

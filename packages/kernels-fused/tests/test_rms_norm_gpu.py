@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmsys.kernels_fused import (
-    RMSNorm,
+    LlamaStyleRMSNorm,
     rms_norm,
     rms_norm_reference,
 )
@@ -173,7 +173,7 @@ def test_more_than_2_31_elements():
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_compiled_forward_and_backward_match_eager(mode):
-    norm = RMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.float32)
+    norm = LlamaStyleRMSNorm(4096, eps=1e-5, device="cuda", dtype=torch.float32)
     with torch.no_grad():
         norm.weight.copy_(rand((4096,), torch.float32, 1.0))
 

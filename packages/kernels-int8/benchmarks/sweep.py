@@ -24,7 +24,9 @@ import torch
 
 import llmsys.bench_harness as harness
 import llmsys.kernels_int8 as ki
-from llmsys.kernels_int8 import reference, warmup
+from llmsys.kernels_int8 import reference
+
+warmup = harness.load_beside(__file__, "warmup")
 
 RESULTS = Path(__file__).parent / "results"
 QWEN_SHAPES = [(2048, 6144), (2048, 2048), (2048, 22016), (11008, 2048)]  # (K, N) of one layer

@@ -26,6 +26,7 @@ from llmsys.kernels_int8 import (
     quantize_int8_perrow_reference,
     tuning,
 )
+from llmsys.triton_launch import forget
 
 # (M, N, K): odd sizes from {1, 33, 70, 100, 300}, each M bucket (decode, mid, prefill).
 SHAPES = [(1, 1, 1), (1, 33, 70), (33, 70, 100), (70, 100, 300), (100, 300, 33), (300, 1, 70)]
@@ -140,12 +141,12 @@ def test_fp16_output_with_large_k_does_not_overflow(device, poisoned_allocations
 # --- long K: split, never overflow ---------------------------------------------------------------
 
 
-def test_split_plan_keeps_every_split_int32_exact():
+def test_split_k_ranges_keep_every_split_int32_exact():
     for k in (1, 300, 131071, 131072, 140000, 10**6):
-        splits, per_split = ops.split_plan(k, 128, 1)
+        splits, per_split = ops.split_k_ranges(k, 128, 1)
         assert per_split <= ops.MAX_K_PER_SPLIT and per_split % 128 == 0
         assert splits * per_split >= k > (splits - 1) * per_split
-    assert ops.split_plan(140000, 128, 1)[0] == 2  # longer than 131071: split even if not asked
+    assert ops.split_k_ranges(140000, 128, 1)[0] == 2  # longer than 131071: split even if not asked
 
 
 def test_k_past_the_int32_range_is_split_and_exact(device, poisoned_allocations):
@@ -185,8 +186,8 @@ def test_small_split_limit_forces_splits_with_identical_results(
     monkeypatch.setattr(
         tuning, "matmul_candidates", lambda m, n, k: [tuning.MatmulConfig(16, 32, 32)]
     )
-    assert ops.split_plan(300, 32, 1)[0] == 4
-    tuning.plans.clear()  # the unsplit call's plan would serve the same product
+    assert ops.split_k_ranges(300, 32, 1)[0] == 4
+    forget()  # a recorded replay of the unsplit call would serve the same product
     assert torch.equal(matmul_int8(a, a_scale, b, b_scale, bias=bias), unsplit)
 
 
@@ -222,7 +223,7 @@ def test_every_candidate_config_gives_identical_results(
         if not ops.tma_applies(config, a, b, out_like):
             continue
         monkeypatch.setattr(tuning, "matmul_candidates", lambda m, n, k, c=config: [c])
-        tuning.plans.clear()  # else the first config's plan serves every later one
+        forget()  # else a recorded replay of the first config serves the later ones
         results[config] = matmul_int8(a, a_scale, b, b_scale, bias=bias)
     assert any(c.tma for c in results) == (shape[2] % 16 == 0)
     first = next(iter(results.values()))
@@ -322,37 +323,23 @@ def test_matmul_quantize_int8_out(device, poisoned_allocations):
     torch.testing.assert_close(out, expected.half(), rtol=0, atol=0)
 
 
-def test_a_planned_product_is_decided_once_and_replanned_when_any_operand_changes(
-    device, poisoned_allocations, monkeypatch
-):
-    """The second call of a product takes its plan (no checks, no configuration); any change of
-    shape, layout, dtype or bias makes a new plan, and each result equals the spec."""
-    tuning.clear_cache()
+def test_quantizing_product_equals_the_spec_for_each_operand_variant(device, poisoned_allocations):
+    """``int8_matmul_quantize`` (what Int8Linear calls) against the spec, for a change of each
+    property the launches depend on: M, x's strides, b's layout, the scale dtype, a bias."""
     q_b, b_scale = quantize_int8(torch.randn(100, 70, device=device) * 0.02)
     x = torch.randn(33, 100, device=device)
-    product = ops.int8_matmul_quantize  # what Int8Linear calls
-    first = product(x, q_b, b_scale)
-    assert len(tuning.plans) == 2  # the GEMM's plan, and the quantizing product's
-    checked = []
-    monkeypatch.setattr(ops, "check_matmul_quantize_inputs", lambda *a: checked.append(a))
-    fresh = torch.randn(33, 100, device=device)
-    assert torch.equal(product(fresh, q_b, b_scale), _spec(fresh, q_b, b_scale))
-    assert checked == [] and torch.equal(product(x, q_b, b_scale), first)
     bias = torch.randn(70, device=device)
     variants = [
+        (x, q_b, b_scale, None),
         (torch.randn(5, 100, device=device), q_b, b_scale, None),  # M
         (torch.randn(100, 33, device=device).t(), q_b, b_scale, None),  # x's strides
-        (x.double().float()[:, :], q_b.contiguous(), b_scale, None),  # b row-major
+        (x, q_b.contiguous(), b_scale, None),  # b row-major
         (x, q_b, b_scale.half(), None),  # scale dtype
         (x, q_b, b_scale, bias),
     ]
-    for i, (xv, bv, sv, biasv) in enumerate(variants, 1):
-        out = product(xv, bv, sv, biasv)
-        assert len(checked) == i  # a new product: checked again, then planned
+    for i, (xv, bv, sv, biasv) in enumerate(variants):
+        out = ops.int8_matmul_quantize(xv, bv, sv, biasv)
         assert torch.equal(out, _spec(xv, bv, sv, biasv)), i
-        assert torch.equal(product(xv, bv, sv, biasv), out) and len(checked) == i  # planned
-    tuning.clear_cache()
-    assert tuning.plans == {}
 
 
 def _spec(x, b, b_scale, bias=None):
@@ -537,7 +524,7 @@ def test_gpu_model_shapes_every_candidate_identical(
         if not ops.tma_applies(config, a, b, out_like):
             continue  # e.g. a TMA store into rows of 4097 * 2 bytes (not 16-byte aligned)
         monkeypatch.setattr(tuning, "matmul_candidates", lambda m, n, k, c=config: [c])
-        tuning.plans.clear()  # else the first config's plan serves every later one
+        forget()  # else a recorded replay of the first config serves the later ones
         try:
             results[config] = matmul_int8(a, a_scale, b, b_scale, bias=bias)
         except triton.runtime.errors.OutOfResources:
@@ -616,51 +603,3 @@ def test_gemm_refuses_gradients_through_the_op(device):
         torch.ops.llmsys.int8_matmul(a, a_scale, b, b_scale2)
     with pytest.raises(RuntimeError, match="inference-only"):
         matmul_int8(a, a_scale, b, b_scale2)
-
-
-def test_the_quick_validity_test_agrees_with_the_full_check():
-    """``check_matmul_inputs`` skips its messages when ``_plainly_valid`` passes: every variant
-    the full check refuses must fail the quick test, and every valid one pass it."""
-    from llmsys.kernels_int8 import ops
-
-    m, k, n = 3, 8, 5
-    good = {
-        "a": torch.zeros(m, k, dtype=torch.int8),
-        "a_scale": torch.ones(m, dtype=torch.float16),
-        "b": torch.zeros(k, n, dtype=torch.int8),
-        "b_scale": torch.ones(n, dtype=torch.float32),
-        "bias": None,
-        "out": None,
-    }
-    variants = [
-        {},
-        {"bias": torch.zeros(n, dtype=torch.bfloat16)},
-        {"out": torch.empty(m, n)},
-        {"a": torch.zeros(m, k)},
-        {"a": torch.zeros(m, k, 1, dtype=torch.int8)},
-        {"a": [[0] * k] * m},
-        {"b": torch.zeros(k + 1, n, dtype=torch.int8)},
-        {"b": torch.zeros(k, n, dtype=torch.uint8)},
-        {"a_scale": torch.ones(m + 1, dtype=torch.float16)},
-        {"a_scale": torch.ones(m, dtype=torch.int32)},
-        {"a_scale": torch.ones(m, 1, dtype=torch.float16)},
-        {"b_scale": torch.ones(n - 1)},
-        {"b_scale": torch.ones(n, device="meta")},
-        {"bias": torch.zeros(n + 1)},
-        {"bias": torch.zeros(n, dtype=torch.int8)},
-        {"bias": torch.zeros(1, n)},
-        {"bias": 0.0},
-        {"out": torch.empty(m, n + 1)},
-        {"out": torch.empty(m, n, dtype=torch.int32)},
-        {"out": torch.empty(m, n, device="meta")},
-        {"b": torch.zeros(k, n, dtype=torch.int8, device="meta")},
-    ]
-    for change in variants:
-        args = {**good, **change}
-        try:
-            ops.check_matmul_inputs(**args)
-            valid = True
-        except (TypeError, ValueError, AttributeError):
-            valid = False
-        quick = ops._plainly_valid(*args.values())
-        assert quick == valid, (sorted(change), quick, valid)

@@ -6,7 +6,7 @@ Importing this package registers its ``torch.ops.llmsys_fused`` ops.
 """
 
 from .linear_cross_entropy import causal_lm_loss, linear_cross_entropy
-from .modules import RMSNorm
+from .modules import LlamaStyleRMSNorm, RMSNorm
 from .reference import (
     linear_cross_entropy_reference,
     rms_norm_backward_reference,
@@ -20,6 +20,7 @@ from .rotary import apply_rotary_pos_emb, rotary
 __version__ = "0.1.0"
 
 __all__ = [
+    "LlamaStyleRMSNorm",
     "RMSNorm",
     "__version__",
     "apply_rotary_pos_emb",

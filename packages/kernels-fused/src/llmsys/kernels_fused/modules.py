@@ -10,9 +10,13 @@ from llmsys.triton_launch import checks
 from .rms_norm import rms_norm
 
 
-class RMSNorm(nn.Module):
+class LlamaStyleRMSNorm(nn.Module):
     """A drop-in for transformers' ``LlamaRMSNorm``: the same attributes (``weight``, ones at
     first, and ``variance_epsilon``), the same state dict, the Triton :func:`rms_norm`.
+
+    Named for that formula: the normalised value is rounded to the input's dtype before the
+    weight multiplies it (``torch.nn.RMSNorm`` multiplies first, and calls its epsilon ``eps``).
+    ``RMSNorm`` is the same class under its earlier name.
 
     Args:
         hidden_size: N, the size of the normalised last dim.
@@ -31,7 +35,7 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        checks.positive_int("RMSNorm", "hidden_size", hidden_size)
+        checks.positive_int("LlamaStyleRMSNorm", "hidden_size", hidden_size)
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
 
@@ -42,3 +46,6 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+RMSNorm = LlamaStyleRMSNorm  # the earlier name, which shadowed torch.nn.RMSNorm

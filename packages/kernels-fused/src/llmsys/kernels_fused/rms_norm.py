@@ -326,8 +326,7 @@ def _rms_norm_fwd_eager(x, weight, eps, residual):
 
 
 def _rms_norm_fwd(x, weight, eps, residual):
-    if not _valid(x, weight, eps, residual):
-        check_inputs("rms_norm_fwd", x, weight, eps, residual)
+    check_inputs("rms_norm_fwd", x, weight, eps, residual)
     if not x.is_cuda and not CPU_RUNS_TRITON:
         return _rms_norm_fwd_eager(x, weight, eps, residual)
     x2 = _rows(x)  # (M, N)
@@ -417,6 +416,7 @@ rms_norm_fwd = define_op(
     "-> (Tensor, Tensor, Tensor)",
     _rms_norm_fwd,
     _rms_norm_fwd_fake,
+    replays=True,
 )
 rms_norm_bwd = define_op(
     _lib,

@@ -27,8 +27,6 @@ Reading order: kernel -> launcher and checks -> registered ops and fakes -> auto
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +46,6 @@ from .reference import rotary_backward_reference, rotary_reference
 
 NAMESPACE = "llmsys_fused"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 # --- kernel --------------------------------------------------------------------------------------
 
@@ -245,46 +242,6 @@ def check_inputs(op: str, names: tuple[str, str], q, k, cos, sin) -> None:
         checks.same_device(op, name, t, q_name, q)
 
 
-def _valid(q, k, cos, sin) -> bool:
-    """The checks' verdict, cheaply: every call asks, only a failure pays for the messages."""
-    if not (
-        type(q) is torch.Tensor
-        and type(k) is torch.Tensor
-        and type(cos) is torch.Tensor
-        and type(sin) is torch.Tensor
-    ):
-        return False
-    dtype = q.dtype
-    if (
-        dtype not in _SUPPORTED
-        or k.dtype != dtype
-        or sin.dtype != cos.dtype
-        or (cos.dtype != dtype and cos.dtype != torch.float32)
-        or q.dim() != 4
-        or k.dim() != 4
-        or cos.dim() != 3
-    ):
-        return False
-    batch, _, seq_len, head_dim = q.shape
-    k_batch, _, k_seq_len, k_head_dim = k.shape
-    cos_batch, cos_seq_len, cos_head_dim = cos.shape
-    device = q.get_device()
-    return (
-        head_dim % 2 == 0
-        and k_batch == batch
-        and k_seq_len == seq_len
-        and k_head_dim == head_dim
-        and (cos_batch == batch or cos_batch == 1)
-        and cos_seq_len == seq_len
-        and cos_head_dim == head_dim
-        and sin.shape == cos.shape
-        and k.get_device() == device
-        and cos.get_device() == device
-        and sin.get_device() == device
-    )
-
-
-@functools.lru_cache(maxsize=64)  # a model has a handful of shapes; this runs on every call
 def launch_config(n_q_heads: int, n_k_heads: int, head_dim: int) -> tuple[int, int, int]:
     """(BLOCK_HQ, BLOCK_HK, BLOCK_HALF): whole heads per loop step, up to TILE_ELEMENTS."""
     block_half = next_power_of_2(head_dim // 2)
@@ -357,14 +314,12 @@ def _rotate(q, k, cos, sin, backward: bool) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _rotary_fwd(q, k, cos, sin):
-    if not _valid(q, k, cos, sin):
-        check_inputs("rotary_fwd", ("q", "k"), q, k, cos, sin)
+    check_inputs("rotary_fwd", ("q", "k"), q, k, cos, sin)
     return _rotate(q, k, cos, sin, backward=False)
 
 
 def _rotary_bwd(grad_q_out, grad_k_out, cos, sin):
-    if not _valid(grad_q_out, grad_k_out, cos, sin):
-        check_inputs("rotary_bwd", ("grad_q_out", "grad_k_out"), grad_q_out, grad_k_out, cos, sin)
+    check_inputs("rotary_bwd", ("grad_q_out", "grad_k_out"), grad_q_out, grad_k_out, cos, sin)
     return _rotate(grad_q_out, grad_k_out, cos, sin, backward=True)
 
 
@@ -384,12 +339,14 @@ rotary_fwd = define_op(
     "rotary_fwd(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
     _rotary_fwd,
     _rotary_fwd_fake,
+    replays=True,
 )
 rotary_bwd = define_op(
     _lib,
     "rotary_bwd(Tensor grad_q_out, Tensor grad_k_out, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
     _rotary_bwd,
     _rotary_bwd_fake,
+    replays=True,
 )
 
 # --- autograd ------------------------------------------------------------------------------------

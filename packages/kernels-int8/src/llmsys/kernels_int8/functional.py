@@ -177,8 +177,9 @@ def matmul_quantize_int8(
     """Quantize the rows of ``fpa`` per token, then :func:`matmul_int8`.
 
     Args:
-        fpa: (..., K) float16, bfloat16 or float32 activations; leading dimensions are flattened
-            into M = prod(...) rows (a 1-D ``fpa`` is one row).
+        fpa: the floating-point ``a`` (hence the name): :func:`matmul_int8`'s left operand
+            before quantization, (..., K) float16, bfloat16 or float32 activations; leading
+            dimensions are flattened into M = prod(...) rows (a 1-D ``fpa`` is one row).
         b: (K, N) int8, column-major fastest (from ``quantize_int8(w, axis=0)``).
         b_scale: (N,) float16, bfloat16 or float32.
         out: optional (..., N) float tensor to write into; it must be viewable as (M, N).

@@ -149,8 +149,8 @@ class Int8Linear(nn.Module):
     def forward_quantized(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The layer on rows already quantized per token: one GEMM, no quantization pass.
 
-        For producers that quantize as they write, such as ``rms_norm_quantize_int8``
-        (llmsys.kernels_fused) or :func:`silu_mul_quantize_int8`; ``forward(x)`` equals
+        For producers that quantize as they write, such as :func:`rms_norm_quantize_int8` or
+        :func:`silu_mul_quantize_int8`; ``forward(x)`` equals
         ``forward_quantized(*quantize_int8_perrow(x))`` for 2-D ``x``.
 
         Args:

@@ -18,18 +18,10 @@ activations (functional.py, modules.py) raise themselves.
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 
 import torch
 
-from llmsys.triton_launch import (
-    Launch,
-    cdiv,
-    checks,
-    define_op,
-    runs_under_interpreter,
-    sm_count,
-)
+from llmsys.triton_launch import cdiv, checks, define_op, launch, runs_under_interpreter, sm_count
 
 from . import tuning
 from .kernels import (
@@ -69,61 +61,8 @@ def check_quantize_input(x) -> None:
     _check_tensor("int8_quantize_perrow", "x", x, FLOAT_DTYPES, 2, "(M, K); reshape(-1, K) first")
 
 
-_Tensor = torch.Tensor
-
-
-def _plainly_valid(a, a_scale, b, b_scale, bias, out) -> bool:
-    """The GEMM's arguments are valid, tested in a few comparisons (every call's path); False
-    leaves it to the full check to name what is wrong."""
-    if not (
-        type(a) is _Tensor
-        and type(b) is _Tensor
-        and type(a_scale) is _Tensor
-        and type(b_scale) is _Tensor
-        and a.dtype is torch.int8
-        and b.dtype is torch.int8
-        and a_scale.dtype in FLOAT_DTYPES
-        and b_scale.dtype in FLOAT_DTYPES
-        and a.dim() == 2
-        and b.dim() == 2
-        and a_scale.dim() == 1
-        and b_scale.dim() == 1
-    ):
-        return False
-    (m, k), (k_b, n) = a.shape, b.shape
-    device = a.device
-    return (
-        k_b == k
-        and a_scale.shape[0] == m
-        and b_scale.shape[0] == n
-        and b.device == device
-        and a_scale.device == device
-        and b_scale.device == device
-        and (
-            bias is None
-            or (
-                type(bias) is _Tensor
-                and bias.dtype in FLOAT_DTYPES
-                and bias.shape == (n,)
-                and bias.device == device
-            )
-        )
-        and (
-            out is None
-            or (
-                type(out) is _Tensor
-                and out.dtype in FLOAT_DTYPES
-                and out.shape == (m, n)
-                and out.device == device
-            )
-        )
-    )
-
-
 def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad argument of the GEMM."""
-    if _plainly_valid(a, a_scale, b, b_scale, bias, out):
-        return
     op = "int8_matmul"
     _check_tensor(op, "a", a, (torch.int8,), 2, "(M, K)")
     _check_tensor(op, "b", b, (torch.int8,), 2, "(K, N)")
@@ -221,31 +160,20 @@ def _quantize_checked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale
     if k == 0:
         return q, scale.zero_()
-    QuantizePlan(x)(x, q, scale)
-    return q, scale
-
-
-class QuantizePlan:
-    """The quantizer's launch for one (M, K) and x's row stride, built once: a call only
-    launches."""
-
-    __slots__ = ("grid", "kernel", "sizes")
-
-    def __init__(self, x: torch.Tensor):
-        m, k = x.shape
-        config = tuning.quantize_config(m, k)
-        self.grid = cdiv(m, config.block_m)
-        self.sizes = (m, k, x.stride(0), x.stride(1), k)  # then q's row stride: q is (M, K)
-        constexprs = {
+    config = tuning.quantize_config(m, k)
+    launch(
+        quantize_int8_perrow_kernel,
+        cdiv(m, config.block_m),
+        (x, q, scale, m, k, x.stride(0), x.stride(1), q.stride(0)),
+        {
             "BLOCK_M": config.block_m,
             "BLOCK_K": config.block_k,
             "ONE_PASS": config.one_pass,
             "PRECISE": x.is_cuda,
-        }
-        self.kernel = Launch(quantize_int8_perrow_kernel, constexprs, config.num_warps)
-
-    def __call__(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-        self.kernel(self.grid, (x, q, scale, *self.sizes))
+        },
+        num_warps=config.num_warps,
+    )
+    return q, scale
 
 
 @functools.cache
@@ -282,7 +210,7 @@ def tma_applies(config: tuning.MatmulConfig, a, b, out) -> bool:
     return usable
 
 
-def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+def split_k_ranges(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     """(splits, K per split) for a K of ``k``: each split a multiple of ``block_k`` long and at
     most ``MAX_K_PER_SPLIT``, so a long K gets more splits than the config asks for."""
     per_split = cdiv(cdiv(max(k, 1), split_k), block_k) * block_k
@@ -290,147 +218,84 @@ def split_plan(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return cdiv(max(k, 1), per_split), per_split
 
 
-class MatmulPlan:
-    """The GEMM with one configuration for one product: its launches built once (kernel,
-    constexprs, grid, sizes and strides), so a call only allocates what it must (split-K
-    partials, tensor descriptors) and launches. Built from the operands (M, K) ``a``, (K, N)
-    ``b`` and (M, N) ``out``, whose shapes and strides every call must share; it holds no
-    tensor."""
-
-    __slots__ = ("blocks", "epilogue", "grid", "kernel", "partials", "sizes", "tma", "tma_store")
-
-    def __init__(self, config: tuning.MatmulConfig, a, b, out, has_bias: bool):
-        (m, k), n = a.shape, b.shape[1]
-        self.tma, self.tma_store, self.partials = config.tma, config.tma_store, None
-        constexprs = {
-            "BLOCK_M": config.block_m,
-            "BLOCK_N": config.block_n,
-            "BLOCK_K": config.block_k,
-            "GROUP_M": config.group_m,
-        }
-        tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
-        if config.tma:
-            self.blocks = (
-                [config.block_m, config.block_k],  # a
-                [config.block_n, config.block_k],  # b.T (N, K)
-                [config.block_m, config.block_n // 2],  # out, when TMA_STORE
-            )
-            self.grid = min(tiles, sm_count(a.device) if a.is_cuda else 4)  # 4: the interpreter
-            self.sizes = (m, n, k, self.grid, out.stride(0), out.stride(1))
-            constexprs |= {
-                "HAS_BIAS": has_bias,
-                "TMA_STORE": config.tma_store,
-                "SWAP_AB": config.swap_ab,
-            }
-            kernel = perrow_w8a8_matmul_tma_kernel
-        else:
-            splits, per_split = split_plan(k, config.block_k, config.split_k)
-            self.grid = (tiles, splits)
-            strides = (0, out.stride(0), out.stride(1))
-            if splits > 1:
-                self.partials = (splits, m, n)  # int32, summed by the epilogue kernel
-                strides = (m * n, n, 1)
-                block_m, block_n = 32, 128
-                self.epilogue = (
-                    Launch(
-                        splitk_epilogue_kernel,
-                        {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": has_bias},
-                        enable_fp_fusion=False,
-                    ),
-                    (cdiv(m, block_m), cdiv(n, block_n)),
-                    (m, n, splits, m * n, out.stride(0), out.stride(1)),
-                )
-            self.sizes = (
-                m, n, k, per_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), *strides
-            )  # fmt: skip
-            constexprs |= {
-                "PARTIALS": splits > 1,
-                "EVEN_K": k % config.block_k == 0,
-                "HAS_BIAS": has_bias,
-            }
-            kernel = perrow_w8a8_matmul_kernel
-        # enable_fp_fusion=False keeps `* a_scale * b_scale + bias` rounded as eager rounds it
-        self.kernel = Launch(
-            kernel, constexprs, config.num_warps, config.num_stages, enable_fp_fusion=False
-        )
-
-    def __call__(self, a, a_scale, b, b_scale, bias, out) -> None:
-        """``out = (a @ b) * a_scale[:, None] * b_scale + bias``; scales and bias contiguous."""
-        bias_arg = bias if bias is not None else b_scale  # never read without HAS_BIAS
-        if self.tma:
-            a_desc = TensorDescriptor.from_tensor(a, self.blocks[0])
-            b_desc = TensorDescriptor.from_tensor(b.t(), self.blocks[1])
-            c_desc = TensorDescriptor.from_tensor(out, self.blocks[2]) if self.tma_store else a_desc
-            args = (a_desc, b_desc, c_desc, out, a_scale, b_scale, bias_arg, *self.sizes)
-            self.kernel(self.grid, args)
-        elif self.partials is None:
-            self.kernel(self.grid, (a, b, out, a_scale, b_scale, bias_arg, *self.sizes))
-        else:
-            target = a.new_empty(self.partials, dtype=torch.int32)
-            self.kernel(self.grid, (a, b, target, a_scale, b_scale, bias_arg, *self.sizes))
-            epilogue, grid, sizes = self.epilogue
-            epilogue(grid, (target, out, a_scale, b_scale, bias_arg, *sizes))
-
-
 def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) -> None:
-    """Run the GEMM with one configuration into ``out`` (M, N); inputs already checked, and
+    """Run the GEMM with one configuration into ``out`` (M, N): ``(a @ b) * a_scale[:, None] *
+    b_scale (+ bias)``. Inputs already checked, scales and bias contiguous, and
     ``tma_applies(config, a, b, out)``."""
-    MatmulPlan(config, a, b, out, bias is not None)(a, a_scale, b, b_scale, bias, out)
+    (m, k), n = a.shape, b.shape[1]
+    bias_arg = bias if bias is not None else b_scale  # never read without HAS_BIAS
+    blocks = {
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "GROUP_M": config.group_m,
+    }
+    # enable_fp_fusion=False keeps `* a_scale * b_scale + bias` rounded as eager rounds it
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False)
+    tiles = cdiv(m, config.block_m) * cdiv(n, config.block_n)
+    if config.tma:
+        grid = min(tiles, sm_count(a.device) if a.is_cuda else 4)  # 4: the interpreter
+        a_desc = TensorDescriptor.from_tensor(a, [config.block_m, config.block_k])
+        b_desc = TensorDescriptor.from_tensor(b.t(), [config.block_n, config.block_k])  # (N, K)
+        c_block = [config.block_m, config.block_n // 2]
+        c_desc = TensorDescriptor.from_tensor(out, c_block) if config.tma_store else a_desc
+        sizes = (m, n, k, grid, out.stride(0), out.stride(1))
+        args = (a_desc, b_desc, c_desc, out, a_scale, b_scale, bias_arg, *sizes)
+        constexprs = blocks | {
+            "HAS_BIAS": bias is not None,
+            "TMA_STORE": config.tma_store,
+            "SWAP_AB": config.swap_ab,
+        }
+        launch(perrow_w8a8_matmul_tma_kernel, grid, args, constexprs, **options)
+        return
+    splits, per_split = split_k_ranges(k, config.block_k, config.split_k)
+    target, strides = out, (0, out.stride(0), out.stride(1))
+    if splits > 1:  # int32 partials, summed by the epilogue kernel
+        target, strides = a.new_empty((splits, m, n), dtype=torch.int32), (m * n, n, 1)
+    sizes = (m, n, k, per_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1), *strides)
+    args = (a, b, target, a_scale, b_scale, bias_arg, *sizes)
+    constexprs = blocks | {
+        "PARTIALS": splits > 1,
+        "EVEN_K": k % config.block_k == 0,
+        "HAS_BIAS": bias is not None,
+    }
+    launch(perrow_w8a8_matmul_kernel, (tiles, splits), args, constexprs, **options)
+    if splits > 1:
+        block_m, block_n = 32, 128
+        launch(
+            splitk_epilogue_kernel,
+            (cdiv(m, block_m), cdiv(n, block_n)),
+            (target, out, a_scale, b_scale, bias_arg, m, n, splits, m * n,
+             out.stride(0), out.stride(1)),
+            {"BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": bias is not None},
+            enable_fp_fusion=False,
+        )  # fmt: skip
 
 
-def _on(device: torch.device):
-    """Make ``device`` current for the tuner's timing, when it is not already (entering
-    ``torch.cuda.device`` costs microseconds on every call)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return nullcontext()
-
-
-def _matmul_into(a, a_scale, b, b_scale, bias, out) -> MatmulPlan | None:
-    """The GEMM into ``out``; returns its plan where the next call of this shape may reuse it
-    (the configuration is final: tuned, or not tuned at all), else None."""
+def _matmul_into(a, a_scale, b, b_scale, bias, out) -> None:
+    """The GEMM into ``out``, with the tuner's configuration for this product."""
     (m, k), n = a.shape, b.shape[1]
     if m == 0 or n == 0:
-        return None
+        return
     if not a.is_cuda and not CPU_RUNS_TRITON:
         out.copy_(matmul_int8_reference(a, a_scale, b, b_scale, bias, out.dtype))
-        return None
+        return
     a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
     # Everything the choice of configuration depends on: M's bucket, N, K, the layouts, the
     # dtypes and which operands the copy engine can address.
     key = (
-        tuning.m_bucket(m),
-        n,
-        k,
-        a.stride(),
-        b.stride(),
-        out.stride(),
-        out.dtype,
-        a_scale.dtype,
-        b_scale.dtype,
-        None if bias is None else bias.dtype,
+        tuning.m_bucket(m), n, k, a.stride(), b.stride(), out.stride(),
+        out.dtype, a_scale.dtype, b_scale.dtype, None if bias is None else bias.dtype, a.device,
+        a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+    )  # fmt: skip
+    config = tuning.tuned(
+        key,
+        lambda: [c for c in tuning.matmul_candidates(m, n, k) if tma_applies(c, a, b, out)],
+        lambda c: launch_matmul(c, a, a_scale, b, b_scale, bias, out),
         a.device,
-        a.data_ptr() % 16 == 0,
-        b.data_ptr() % 16 == 0,
-        out.data_ptr() % 16 == 0,
     )
-    plan_key = (key, m)  # a plan's grid is M's own
-    plan = tuning.plans.get(plan_key)
-    if plan is None:
-        with _on(a.device):
-            config = tuning.tuned(
-                key,
-                lambda: [c for c in tuning.matmul_candidates(m, n, k) if tma_applies(c, a, b, out)],
-                lambda c: launch_matmul(c, a, a_scale, b, b_scale, bias, out),
-                a.is_cuda,
-            )
-        plan = MatmulPlan(config, a, b, out, bias is not None)
-        if tuning.is_final(key, a.is_cuda):
-            tuning.remember(plan_key, plan)
-    with _on(a.device):
-        plan(a, a_scale, b, b_scale, bias, out)
-    return plan if tuning.is_final(key, a.is_cuda) else None
+    launch_matmul(config, a, a_scale, b, b_scale, bias, out)
 
 
 def matmul(a, a_scale, b, b_scale, bias=None) -> torch.Tensor:
@@ -451,59 +316,14 @@ def matmul_quantize(x, b, b_scale, bias=None) -> torch.Tensor:
     """The implementation of ``int8_matmul_quantize``: the quantizer, then the GEMM, behind one
     op call (one trip below autograd, or through the dispatcher, instead of two).
 
-    The first call of a product decides everything (checks, quantizer and GEMM configurations,
-    grids, sizes) and keeps it as a :class:`QuantizedMatmulPlan`; a later call whose operands
-    share every property those decisions read (shapes, strides, dtypes, devices, the weight's
-    alignment) only allocates and launches.
-
     A one-launch variant for decode, each program quantizing all the rows itself, was measured
     and dropped (DECISIONS.md): recomputing the quantization in every program cost more GPU time
     than the second launch saves."""
-    try:
-        key = (
-            x.shape, x.stride(), x.dtype, x.get_device(),
-            b.shape, b.stride(), b.dtype, b.get_device(), b.data_ptr() % 16 == 0,
-            b_scale.shape, b_scale.stride(), b_scale.dtype, b_scale.get_device(),
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
-        )  # fmt: skip
-    except AttributeError:  # not a tensor: the checks name it
-        key = None
-    plan = tuning.plans.get(key)
-    if plan is not None:
-        return plan(x, b, b_scale, bias)
     check_matmul_quantize_inputs(x, b, b_scale, bias)  # covers both steps' arguments
     q, scale = _quantize_checked(x)  # (M, K) int8, (M,) in x's dtype
     out = x.new_empty((x.shape[0], b.shape[1]))
-    matmul_plan = _matmul_into(q, scale, b, b_scale, bias, out)
-    if (
-        matmul_plan is not None
-        and x.shape[1] > 0
-        and b_scale.is_contiguous()
-        and (bias is None or bias.is_contiguous())
-    ):
-        tuning.remember(key, QuantizedMatmulPlan(x, b, matmul_plan))
+    _matmul_into(q, scale, b, b_scale, bias, out)
     return out
-
-
-class QuantizedMatmulPlan:
-    """``int8_matmul_quantize`` decided for one product: allocate q, the scales and the output,
-    then launch the quantizer and the GEMM's planned launches."""
-
-    __slots__ = ("matmul", "out_shape", "q_shape", "quantize")
-
-    def __init__(self, x: torch.Tensor, b: torch.Tensor, matmul: MatmulPlan):
-        self.q_shape, self.out_shape = tuple(x.shape), (x.shape[0], b.shape[1])
-        self.quantize, self.matmul = QuantizePlan(x), matmul
-
-    def __call__(self, x, b, b_scale, bias) -> torch.Tensor:
-        # The allocation forms measured cheapest on an H100 host (triton-launch DECISIONS.md):
-        # each torch.empty(shape, dtype=, device=) cost about 1 us more.
-        q = torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format)
-        scale = x.new_empty(self.q_shape[:1])  # (M,), x's dtype
-        out = x.new_empty(self.out_shape)  # (M, N)
-        self.quantize(x, q, scale)
-        self.matmul(q, scale, b, b_scale, bias, out)
-        return out
 
 
 # --- registration --------------------------------------------------------------------------------
@@ -538,13 +358,18 @@ def inference_only_error(what: str) -> RuntimeError:
 
 _lib = torch.library.Library(NAMESPACE, "FRAGMENT")
 int8_quantize_perrow = define_op(
-    _lib, "int8_quantize_perrow(Tensor x) -> (Tensor, Tensor)", quantize, _quantize_fake
+    _lib,
+    "int8_quantize_perrow(Tensor x) -> (Tensor, Tensor)",
+    quantize,
+    _quantize_fake,
+    replays=True,
 )
 int8_matmul = define_op(
     _lib,
     "int8_matmul(Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, Tensor? bias=None) -> Tensor",
     matmul,
     _matmul_fake,
+    replays=True,
 )
 int8_matmul_out = define_op(
     _lib,
@@ -552,10 +377,12 @@ int8_matmul_out = define_op(
     "Tensor(a!) out) -> ()",
     matmul_out,
     _matmul_out_fake,
+    replays=True,
 )
 int8_matmul_quantize = define_op(
     _lib,
     "int8_matmul_quantize(Tensor x, Tensor b, Tensor b_scale, Tensor? bias=None) -> Tensor",
     matmul_quantize,
     _matmul_quantize_fake,
+    replays=True,
 )

@@ -100,7 +100,8 @@ def matmul_int8_reference(
 def matmul_quantize_int8_reference(
     fpa: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
 ) -> torch.Tensor:
-    """Quantize the rows of ``fpa`` (..., K), then :func:`matmul_int8_reference`: (..., N)."""
+    """Quantize the rows of ``fpa`` (the floating-point ``a``, (..., K)), then
+    :func:`matmul_int8_reference`: (..., N)."""
     q, scale = quantize_int8_perrow_reference(fpa.reshape(-1, fpa.shape[-1]))  # (M, K), (M,)
     out = matmul_int8_reference(q, scale, b, b_scale)  # (M, N)
     return out.reshape(*fpa.shape[:-1], b.shape[1])

@@ -149,6 +149,7 @@ int8_rms_norm_quantize = define_op(
     "-> (Tensor, Tensor, Tensor)",
     rms_norm_quantize,
     _rms_norm_quantize_fake,
+    replays=True,
 )
 
 

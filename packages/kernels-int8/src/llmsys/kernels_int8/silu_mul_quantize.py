@@ -199,6 +199,7 @@ int8_silu_mul_quantize = define_op(
     "int8_silu_mul_quantize(Tensor gate, Tensor up) -> (Tensor, Tensor)",
     silu_mul_quantize,
     _silu_mul_quantize_fake,
+    replays=True,
 )
 torch.library.register_autograd(
     int8_silu_mul_quantize, _no_backward, setup_context=_no_grad_outputs

@@ -17,8 +17,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from llmsys.triton_launch import cdiv, next_power_of_2
-from llmsys.triton_launch import forget as forget_recorded_plans
+from llmsys.triton_launch import cdiv, forget, next_power_of_2
 
 AUTOTUNE = os.environ.get("LLMSYS_INT8_AUTOTUNE", "1") != "0"
 TUNE_LOG = os.environ.get("LLMSYS_INT8_TUNE_LOG", "0") == "1"  # print every candidate's time
@@ -161,7 +160,7 @@ def tuned(
     key: tuple,
     candidates: Callable[[], list[MatmulConfig]],
     launch: Callable[[MatmulConfig], None],
-    on_gpu: bool,
+    device: torch.device,
 ) -> MatmulConfig:
     """The fastest of ``candidates()`` for ``key``, timed once per process; else the first.
 
@@ -169,8 +168,8 @@ def tuned(
     path after the first). ``launch(config)`` must run the whole product with that
     configuration; it is timed with CUDA events (triton.testing.do_bench), so the candidates'
     results are overwritten by the caller's own launch afterwards. Nothing is cached while not
-    tuning (CPU, ``LLMSYS_INT8_AUTOTUNE=0``, CUDA-graph capture), so the first candidate is
-    asked for on every call.
+    tuning (``device`` not CUDA, ``LLMSYS_INT8_AUTOTUNE=0``, CUDA-graph capture), so the first
+    candidate is asked for on every call.
     """
     best = _best.get(key)
     if best is not None:
@@ -178,18 +177,19 @@ def tuned(
     candidates = candidates()
     if not candidates:
         raise ValueError(f"no GEMM configuration applies to {key}")
-    if not on_gpu or not AUTOTUNE or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or not AUTOTUNE or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     from triton.testing import do_bench
 
     timings = {}
-    for config in candidates:
-        try:
-            timings[config] = do_bench(lambda config=config: launch(config), warmup=5, rep=20)
-        except triton.runtime.errors.OutOfResources:
-            continue  # too much shared memory for this GPU: not a candidate here
-        except Exception as error:  # a compiler failure must not take the call down with it
-            warnings.warn(f"llmsys int8 GEMM: skipping {config}: {error!r}", stacklevel=3)
+    with torch.cuda.device(device):  # do_bench's events time the current device
+        for config in candidates:
+            try:
+                timings[config] = do_bench(lambda config=config: launch(config), warmup=5, rep=20)
+            except triton.runtime.errors.OutOfResources:
+                continue  # too much shared memory for this GPU: not a candidate here
+            except Exception as error:  # a compiler failure must not take the call down with it
+                warnings.warn(f"llmsys int8 GEMM: skipping {config}: {error!r}", stacklevel=3)
     best = min(timings, key=timings.get) if timings else candidates[0]
     _best[key] = best
     if TUNE_LOG:
@@ -200,27 +200,9 @@ def tuned(
     return best
 
 
-def is_final(key: tuple, on_gpu: bool) -> bool:
-    """Whether ``tuned(key, ...)`` gives the same configuration from now on: tuned and cached,
-    or never tuned here (the interpreter, ``LLMSYS_INT8_AUTOTUNE=0``)."""
-    return key in _best or not on_gpu or not AUTOTUNE
-
-
-# The ops' plans (ops.MatmulPlan and its kin): launches decided once per product shape and
-# layout, built on final configurations. Bounded: a server's varying M adds a plan per length.
-plans: dict = {}
-MAX_PLANS = 4096
-
-
-def remember(key, plan) -> None:
-    if len(plans) >= MAX_PLANS:
-        plans.clear()
-    plans[key] = plan
-
-
 def clear_cache() -> None:
-    """Forget every tuned configuration and every plan built on one, the ops' recorded plans
-    included (the next call of each shape tunes again)."""
+    """Forget every tuned configuration (the next call of each shape tunes again), and the
+    recorded replays of every op, which would go on launching the configurations they were
+    recorded with."""
     _best.clear()
-    plans.clear()
-    forget_recorded_plans()
+    forget()

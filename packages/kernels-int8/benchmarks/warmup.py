@@ -3,24 +3,27 @@
 The first call of a shape on a fresh machine compiles every candidate configuration the tuner
 times (each a few seconds of ptxas on an H100). ``precompile`` runs those compilations in a pool
 of spawned processes; Triton's on-disk cache then hands the binaries to the tuner in this
-process. Optional: without it the first calls compile one kernel at a time.
+process. Optional: without it the first calls compile one kernel at a time. Used by sweep.py
+(``harness.load_beside(__file__, "warmup")``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as futures
 import multiprocessing
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+
+from llmsys.kernels_int8 import ops, tuning
 
 Problem = tuple[int, int, int, torch.dtype]  # (M, N, K, output dtype)
 
 
 def _compile(problem: Problem) -> list[str]:
     """Worker: run every candidate of one problem once; returns the failures."""
-    from . import ops, tuning
-
     m, n, k, out_dtype = problem
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device="cuda")
     b = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda").t()  # (K, N)
@@ -53,6 +56,9 @@ def precompile(problems: Iterable[Problem], workers: int = 8) -> list[str]:
     problems = list(dict.fromkeys(problems))
     if not problems or not torch.cuda.is_available():
         return []
+    here = str(Path(__file__).parent)
+    if here not in sys.path:  # the spawned workers import this module by its name to find _compile
+        sys.path.append(here)
     context = multiprocessing.get_context("spawn")
     with futures.ProcessPoolExecutor(min(workers, len(problems)), mp_context=context) as pool:
         return [line for lines in pool.map(_compile, problems) for line in lines]
