@@ -30,7 +30,7 @@ from llmsys.kernels_int8 import Int8Linear
 from llmsys.kernels_int8 import ops as int8_ops
 from llmsys.kernels_swiglu import ops as swiglu_ops
 from llmsys.kernels_swiglu import swiglu
-from llmsys.triton_launch import Launch, launcher, library, wants_grad
+from llmsys.triton_launch import launch, launcher, library, wants_grad
 
 
 class _Identity(torch.autograd.Function):
@@ -78,12 +78,19 @@ class AllocatingSwiGLU(torch.autograd.Function):
 
 
 def swiglu_forward_launch(a: torch.Tensor):
-    """A prepared Launch and the grid of swiglu's forward kernel for ``a`` (float32 math on
-    CUDA, at the op's own launch configuration)."""
+    """swiglu's forward kernel for ``a`` (float32 math on CUDA, at the op's own launch
+    configuration) as ``prepared(args)``, one ``launch`` with everything but the arguments
+    decided; and the key parts ``launcher`` files its compiled kernel under."""
     n = a.numel()
     block, num_warps = swiglu_ops.launch_config(n)
+    kernel = swiglu_ops.swiglu_fwd_kernel
     constexprs = {"COMPUTE_DTYPE": tl.float32, "PRECISE": True, "BLOCK_SIZE": block}
-    return Launch(swiglu_ops.swiglu_fwd_kernel, constexprs, num_warps), -(-n // block)
+    grid = -(-n // block)
+
+    def prepared(args: tuple) -> None:
+        launch(kernel, grid, args, constexprs, num_warps=num_warps)
+
+    return prepared, (kernel, a.get_device(), num_warps, None), constexprs, grid
 
 
 def _entry(op):
@@ -96,7 +103,7 @@ def swiglu_steps(dtype) -> dict:
     out = torch.empty_like(a)
     for _ in range(4):  # the first call, two recordings: then the plan
         swiglu(a, b)
-    prepared, grid = swiglu_forward_launch(a)
+    prepared, _, _, _ = swiglu_forward_launch(a)
     entry = _entry(swiglu_ops.swiglu_fwd)
     return {
         "eager F.silu(a) * b": lambda: F.silu(a) * b,
@@ -106,8 +113,8 @@ def swiglu_steps(dtype) -> dict:
             lambda: entry.below_autograd((a, b))
         ),
         "step: torch.empty_like(a)": lambda: torch.empty_like(a),
-        "step: the prepared Launch (C: key, lookup, cuLaunchKernel)": lambda: prepared(
-            grid, (a, b, out, a.numel())
+        "step: one llmsys launch (key, lookup, CompiledKernel.run)": lambda: prepared(
+            (a, b, out, a.numel())
         ),
         "the op's Python impl (the path before a plan, and without C++)": lambda: (
             swiglu_ops._swiglu_fwd(a, b)
@@ -213,28 +220,24 @@ def launch_floor_steps() -> dict:
     a, b = (torch.randn(128, 128, device="cuda") for _ in range(2))
     out = torch.empty_like(a)
     swiglu(a, b)
-    prepared, grid = swiglu_forward_launch(a)
+    prepared, head, constexpr_dict, grid = swiglu_forward_launch(a)
     args = (a, b, out, a.numel())
-    head = (prepared.kernel, a.get_device(), prepared.num_warps, prepared.num_stages)
-    head += tuple(prepared.options.items())
-    compiled = launcher._compiled[launcher._python_key(head, args, prepared.constexprs)]
+    compiled = launcher._compiled[launcher._python_key(head, args, constexpr_dict)]
     stream = torch._C._cuda_getCurrentRawStream(a.get_device())
     meta = (compiled.function, compiled.packed_metadata, None, None, None)
-    constexprs = tuple(prepared.constexprs.values())
+    constexprs = tuple(constexpr_dict.values())
     return {
         "torch.mul(a, b): one whole ATen op (allocation, dispatch, launch)": lambda: torch.mul(
             a, b
         ),
         "torch.empty_like(a)": lambda: torch.empty_like(a),
-        "our prepared Launch (device, hooks, key, lookup, CompiledKernel.run)": lambda: prepared(
-            grid, args
+        "one llmsys launch (device, hooks, key, lookup, CompiledKernel.run)": lambda: prepared(
+            args
         ),
         "Triton's own launcher, CompiledKernel.run, same kernel": lambda: compiled.run(
             grid, 1, 1, stream, *meta, *args, *constexprs
         ),
-        "step: the launcher's key alone": lambda: launcher._python_key(
-            head, args, prepared.constexprs
-        ),
+        "step: the launcher's key alone": lambda: launcher._python_key(head, args, constexpr_dict),
         "step: the current-stream query": lambda: torch._C._cuda_getCurrentRawStream(
             a.get_device()
         ),

@@ -8,7 +8,6 @@ switch that per op or per block."""
 
 from . import checks, precise
 from .launcher import (
-    Launch,
     cdiv,
     kernel_path,
     launch,
@@ -28,7 +27,6 @@ from .library import (
 __version__ = "0.8.0"
 
 __all__ = [
-    "Launch",
     "__version__",
     "call_below_autograd",
     "cdiv",

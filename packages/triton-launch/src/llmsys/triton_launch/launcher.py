@@ -162,8 +162,7 @@ recording = _Recording()
 
 
 def _launch(kernel, grid, args, constexprs: dict, num_warps, num_stages, options: dict) -> None:
-    """``launch`` with its compile options as one dict (``Launch`` passes its own; never
-    modified here)."""
+    """``launch`` with its compile options as one dict (never modified here)."""
     if recording.active is not None:
         recording.active.launches.append(
             (kernel, grid, args, constexprs, num_warps, num_stages, options)
@@ -207,24 +206,3 @@ def _launch(kernel, grid, args, constexprs: dict, num_warps, num_stages, options
         *args,
         *constexprs.values(),
     )
-
-
-class Launch:
-    """``launch`` with the kernel and its compile-time choices fixed once: a call
-    ``prepared(grid, args)`` is ``launch(kernel, grid, args, constexprs, num_warps, num_stages,
-    **options)`` without building the constexpr and option dicts or the call's keywords each
-    time (a package keeps one per decided configuration, as in a per-shape plan)."""
-
-    __slots__ = ("constexprs", "kernel", "num_stages", "num_warps", "options")
-
-    def __init__(self, kernel, constexprs: dict, num_warps: int = 4, num_stages=None, **options):
-        self.kernel, self.constexprs = kernel, dict(constexprs)
-        self.num_warps, self.num_stages, self.options = num_warps, num_stages, options
-
-    def __call__(self, grid, args: tuple) -> None:
-        _launch(
-            self.kernel, grid, args, self.constexprs, self.num_warps, self.num_stages, self.options
-        )
-
-    def __repr__(self) -> str:
-        return f"Launch({self.kernel.__name__}, {self.constexprs}, num_warps={self.num_warps})"
