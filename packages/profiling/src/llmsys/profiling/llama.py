@@ -195,9 +195,7 @@ def cache_keyword(model: nn.Module) -> str:
 
 class W8A8Reference(nn.Module):
     """An ``Int8Linear``'s scheme in float32: ``x`` quantized per row in float32, the integer
-    product exact (float64), scaled by both scales; the layer's own int8 weight and scales.
-    Not ``kernels_int8.w8a8_reference_model``, which quantizes every ``nn.Linear`` (``lm_head``
-    too, which the int8 providers keep in float16) from float32 weights."""
+    product exact (float64), scaled by both scales; the layer's own int8 weight and scales."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
