@@ -193,24 +193,6 @@ def cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-class W8A8Reference(nn.Module):
-    """An ``Int8Linear``'s scheme in float32: ``x`` quantized per row in float32, the integer
-    product exact (float64), scaled by both scales; the layer's own int8 weight and scales."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.qweight, self.bias = layer.qweight, layer.bias
-        self.weight_scale = layer.weight_scale.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from llmsys.kernels_int8 import matmul_int8_reference, quantize_int8_perrow_reference
-
-        q, scale = quantize_int8_perrow_reference(x.reshape(-1, x.shape[-1]).float())
-        bias = None if self.bias is None else self.bias.float()
-        out = matmul_int8_reference(q, scale, self.qweight.t(), self.weight_scale, bias)
-        return out.reshape(*x.shape[:-1], -1)
-
-
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.double()
     return ((actual.double() - expected).norm() / expected.norm()).item()
@@ -285,21 +267,20 @@ def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
         emit(_row(f"llama/{phase}", name, mode, x, "float16", times, done, settings))
     caches.clear()
 
+    from llmsys.kernels_int8 import w8a8_reference_model
+
     with torch.no_grad():  # logits error on the prefill batch
         fp32 = copy.deepcopy(fp16).float()
         want = fp32(prompt, use_cache=False).logits
-        reference = fp32
-        for module_name, module in list(models["int8"].named_modules()):
-            if type(module).__name__ == "Int8Linear":
-                parent, _, child = module_name.rpartition(".")
-                setattr(reference.get_submodule(parent), child, W8A8Reference(module))
+        del fp32  # one float32 copy at a time (an 8B one is 32 GB)
+        reference = w8a8_reference_model(fp16)  # every linear, as quantize_linears swaps them
         logits = {
             "fp16": fp16(prompt, use_cache=False).logits,
             "int8": models["int8"](prompt, use_cache=False).logits,
             "int8-fused": models["int8-fused"](prompt, use_cache=False).logits,
             "w8a8-reference-fp32": reference(prompt, use_cache=False).logits,
         }
-        del fp32, reference
+        del reference
     for name, got in logits.items():
         versus_fp16 = relative_error(got, logits["fp16"])
         emit(
