@@ -35,6 +35,46 @@ def test_cpu_timer_orders_quantiles():
     assert 0 < p20 <= p50 <= p80
 
 
+def test_call_times_ms_times_each_call_after_the_warmup():
+    calls = []
+    times = harness.call_times_ms(lambda: calls.append(1), reps=5, warmup=2, device="cpu")
+    assert len(calls) == 7 and len(times) == 5 and all(t >= 0 for t in times)
+
+
+@pytest.mark.parametrize("helper", ["call_times_ms", "cuda_graph"])
+def test_timing_helpers_name_a_bad_argument(helper):
+    count = {"call_times_ms": "reps", "cuda_graph": "calls"}[helper]
+    call = getattr(harness, helper)
+    with pytest.raises(TypeError, match="fn must be callable, got int"):
+        call(3, **{count: 1})
+    with pytest.raises(ValueError, match=f"{count} must be an int >= 1, got 0"):
+        call(lambda: None, **{count: 0})
+    with pytest.raises(ValueError, match="warmup must be an int >= 0, got -1"):
+        call(lambda: None, **{count: 1}, warmup=-1)
+    with pytest.raises(ValueError, match="warmup must be an int >= 0, got True"):
+        call(lambda: None, **{count: 1}, warmup=True)
+
+
+def test_cuda_graph_without_cuda_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="cuda_graph needs a CUDA device"):
+        harness.cuda_graph(lambda: None)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_the_captured_calls_on_the_current_inputs():
+    x = torch.randn(1000, device="cuda")
+    total = torch.zeros_like(x)
+    replay = harness.cuda_graph(lambda: total.add_(x), calls=3, warmup=2)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(total, 2 * x)  # the warm-up calls ran, the capture did not
+    x.copy_(torch.randn_like(x))  # a replay reads the captured addresses: the new values
+    expected = total + 3 * x
+    replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(total, expected)
+
+
 def test_flush_by_is_write_or_read():
     with pytest.raises(ValueError, match="flush_by must be 'write' or 'read', got 'clean'"):
         harness.time_ms(lambda: None, device="cpu", flush_by="clean")

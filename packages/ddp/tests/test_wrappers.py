@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from llmsys.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, plan_buckets
+from llmsys.ddp import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive, group_buckets
 from llmsys_dev.ranks import run_in_turn
 
 STEPS, BATCH, LR = 5, 12, 0.1  # a batch of 12 splits evenly over 1, 2 or 3 ranks
@@ -120,10 +120,10 @@ def two_bucket_size(model: nn.Module) -> float:
     trainable = [p for p in model.parameters() if p.requires_grad]
     nbytes = [p.numel() * p.element_size() for p in trainable]
     kinds = [p.dtype for p in trainable]
-    fewest = len(plan_buckets(nbytes, 1e6, kinds))
+    fewest = len(group_buckets(nbytes, 1e6, kinds))
     for tenth in range(1, 10):
         size = sum(nbytes) * tenth / 10 / 2**20
-        if len(plan_buckets(nbytes, size, kinds)) == fewest + 1:
+        if len(group_buckets(nbytes, size, kinds)) == fewest + 1:
             return size
     raise AssertionError("no cap gives one bucket more than the dtypes force")
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from llmsys.bench_harness.harness import host_us_side_by_side
+from llmsys.bench_harness.harness import cuda_graph, host_us_side_by_side
 from llmsys.flash_attn2 import flash_attention
 from llmsys.kernels_int8 import Int8Linear, matmul_int8, matmul_quantize_int8, quantize_int8
 from llmsys.kernels_int8 import quantize_int8_perrow as quantize_rows
@@ -71,16 +71,7 @@ def wall_us(fn, calls: int = 50, repeats: int = 21) -> float:
 
 def graph_us(fn, calls: int = 50, repeats: int = 21) -> float:
     """Median wall microseconds per call of ``calls`` calls captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile and tune outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return wall_us(graph.replay, 1, repeats) / calls
+    return wall_us(cuda_graph(fn, calls=calls, warmup=1), 1, repeats) / calls
 
 
 # --- the alternatives for one SwiGLU forward (DECISIONS.md) ---------------------------------------

@@ -29,15 +29,9 @@ from collections.abc import Callable
 
 import torch
 
+from llmsys.bench_harness import cuda_graph
 from llmsys.profiling import serve
-from llmsys.profiling.llama import (
-    LLAMA,
-    TRAIN_PROVIDERS,
-    build_llama,
-    cuda_graph,
-    kernels_of,
-    train_step,
-)
+from llmsys.profiling.llama import LLAMA, TRAIN_PROVIDERS, build_llama, kernels_of, train_step
 from llmsys.profiling.training import make_optimizer
 
 CATEGORIES = (  # (name, kernel-name pattern); the first match wins

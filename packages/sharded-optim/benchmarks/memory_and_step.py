@@ -25,7 +25,7 @@ For each variant, on each rank:
   over ``--steps`` steps after ``--warmup`` warm-up steps, and of ``step()`` alone;
 - the accounting: AdamW keeps 2 float32 tensors per parameter and a step counter, so the
   predicted optimizer state is 8 bytes per element (+ 4 per tensor) of the parameters a rank
-  holds state for (all of them for plain AdamW; the plan's share for both sharded variants, which
+  holds state for (all of them for plain AdamW; the owned share for both sharded variants, which
   partition a single param group with the same sorted greedy rule); the predicted peak saving of a
   sharded variant is plain AdamW's predicted state minus its own.
 
@@ -55,7 +55,7 @@ from llmsys.bench_harness import results
 from llmsys.profiling.config import SIZES, ModelConfig
 from llmsys.profiling.model import TransformerLM
 from llmsys.profiling.training import autocast, lm_loss, random_batch
-from llmsys.sharded_optim import ShardedOptimizer, plan_shards
+from llmsys.sharded_optim import ShardedOptimizer, assign_owners
 
 VARIANTS = ("adamw", "sharded", "zero-redundancy")  # the last is the baseline for time
 PHASES = ("model", "fwd-bwd", "step")
@@ -233,20 +233,20 @@ def measure(variant: str, args, device: torch.device) -> dict:
 
 
 def predicted_state_bytes(numels: list[int], itemsize: int, world_size: int) -> dict:
-    """Predicted AdamW state per rank: everything for plain AdamW, the plan's share for the
+    """Predicted AdamW state per rank: everything for plain AdamW, the ownership's share for the
     sharded variants (ZeroRedundancyOptimizer uses the same sorted greedy rule on one group)."""
 
     def state(indices) -> int:
         return sum(STATE_TENSORS * numels[i] * itemsize + STEP_COUNTER_BYTES for i in indices)
 
-    plan = plan_shards(numels, world_size)
-    shares = [state(plan.params_of(rank)) for rank in range(world_size)]
+    ownership = assign_owners(numels, world_size)
+    shares = [state(ownership.params_of(rank)) for rank in range(world_size)]
     everything = state(range(len(numels)))
     return {
         "adamw": [everything] * world_size,
         "sharded": shares,
         "zero-redundancy": shares,
-        "plan_loads": list(plan.loads),
+        "owned_elements": list(ownership.loads),
         "largest_param_state": STATE_TENSORS * max(numels) * itemsize + STEP_COUNTER_BYTES,
     }
 
@@ -334,7 +334,7 @@ def accounting(measured: dict, predicted: dict, common: dict) -> tuple[list, lis
         targets.append(
             f"largest per-rank optimizer state {largest / GIB:.3f} GiB <= 1.05 x total/N + "
             f"largest param = {bound / GIB:.3f} GiB: {'met' if largest <= bound else 'MISSED'} "
-            f"(plan loads in elements per rank: {predicted['plan_loads']})"
+            f"(owned elements in elements per rank: {predicted['owned_elements']})"
         )
     for variant in ("sharded", "zero-redundancy"):
         if variant not in measured or "adamw" not in measured:

@@ -43,7 +43,7 @@ def assert_state_sharded(optimizer: ShardedOptimizer, rank: int) -> None:
     """Each rank holds state only for parameters it owns; all ranks together, once for each
     parameter that had a gradient."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    owned = {id(params[i]) for i in optimizer.plan.params_of(rank)}
+    owned = {id(params[i]) for i in optimizer.ownership.params_of(rank)}
     held = [p for p, state in optimizer.state.items() if state]
     assert all(id(p) in owned for p in held)
     counts = [0] * dist.get_world_size()
@@ -66,7 +66,7 @@ def tiny_lm_matches_unsharded(rank: int, world_size: int) -> None:
             assert_same_parameters(model, reference)
             assert_identical_on_every_rank(model)
             assert_state_sharded(optimizer, rank)
-            assert all(optimizer.plan.loads), f"{name}: a rank owns nothing"
+            assert all(optimizer.ownership.loads), f"{name}: a rank owns nothing"
 
 
 def odd_layouts_match_unsharded(rank: int, world_size: int) -> None:
@@ -108,7 +108,7 @@ def odd_layouts_match_unsharded(rank: int, world_size: int) -> None:
     # One parameter on two ranks: rank 1 owns nothing, its local optimizer is empty.
     weight = nn.Parameter(torch.arange(6.0))
     optimizer = ShardedOptimizer([weight], torch.optim.SGD, lr=0.5)
-    assert optimizer.plan.owners == (0,)
+    assert optimizer.ownership.owners == (0,)
     weight.grad = torch.ones(6)
     optimizer.step()
     assert torch.equal(weight.detach(), torch.arange(6.0) - 0.5)
@@ -205,7 +205,7 @@ def check_scheduler_clipping_and_new_group(rank: int, world_size: int) -> None:
         m.out.requires_grad_(True)
         opt.add_param_group({"params": list(m.out.parameters()), "lr": 0.03})
         train(m, opt, 2, start=2, rank=ranks[0], world_size=ranks[1])
-    assert len(optimizer.plan.owners) == 5 and set(optimizer.plan.owners[3:]) == {0, 1}
+    assert len(optimizer.ownership.owners) == 5 and set(optimizer.ownership.owners[3:]) == {0, 1}
     assert_same_parameters(model, reference)
     assert_identical_on_every_rank(model)
 
@@ -286,12 +286,14 @@ def check_one_rank_failing_does_not_hang(rank: int, world_size: int) -> None:
     embed, head = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 40)
     optimizer = ShardedOptimizer([*embed.parameters(), *head.parameters()], torch.optim.AdamW)
     head(embed(torch.tensor([1, 2]))).sum().backward()
-    if rank == optimizer.plan.owners[0]:  # the embedding's owner: Adam refuses sparse gradients
+    if (
+        rank == optimizer.ownership.owners[0]
+    ):  # the embedding's owner: Adam refuses sparse gradients
         with pytest.raises(RuntimeError, match="sparse"):
             optimizer.step()
     else:  # the other rank's broadcasts are answered: it returns instead of hanging
         optimizer.step()
-    assert len(set(optimizer.plan.owners)) == 2  # the failure is on one rank only
+    assert len(set(optimizer.ownership.owners)) == 2  # the failure is on one rank only
 
 
 def test_a_step_failing_on_one_rank_does_not_hang_the_others(two_ranks):

@@ -39,7 +39,7 @@ def test_groups_are_complete_and_the_tied_weight_counts_once(model):
     optimizer = ShardedOptimizer(param_groups(model, tied_twice=True), torch.optim.AdamW, lr=0.01)
     plain = torch.optim.AdamW(param_groups(make_model()), lr=0.01)
     assert [len(g["params"]) for g in optimizer.param_groups] == [3, 5]
-    assert optimizer.plan.owners == (0,) * 8
+    assert optimizer.ownership.owners == (0,) * 8
     # every option the plain optimizer has, with the groups' own values
     for group, plain_group in zip(optimizer.param_groups, plain.param_groups, strict=True):
         assert group.keys() == plain_group.keys()
@@ -82,7 +82,7 @@ def test_add_param_group_during_training(model):
         m.out.requires_grad_(True)
         opt.add_param_group({"params": list(m.out.parameters()), "lr": 0.03})
         train(m, opt, 2, start=2)
-    assert optimizer.plan.owners == (0,) * 5
+    assert optimizer.ownership.owners == (0,) * 5
     assert optimizer.param_groups[1].keys() == plain.param_groups[1].keys()
     for p, q in zip(model.parameters(), plain_model.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -22,6 +22,7 @@ from .results import (
     device_name,
     device_slug,
     markdown_table,
+    quantiles,
     read_csv,
     read_rows,
     timestamp,
@@ -31,7 +32,9 @@ from .results import (
 __all__ = [
     "CSV_FIELDS",
     "Row",
+    "call_times_ms",
     "copy_bandwidth",
+    "cuda_graph",
     "device_name",
     "device_slug",
     "host_us_per_call",
@@ -96,17 +99,76 @@ def time_ms(
         start = time.perf_counter()
         fn()
         samples.append((time.perf_counter() - start) * 1000)
-    return _quantiles(samples)
+    return quantiles(samples)
+
+
+def call_times_ms(
+    fn: Callable[[], object], *, reps: int, warmup: int = 0, device: str | torch.device = "cuda"
+) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones.
+
+    Unlike :func:`time_ms`, nothing is flushed and the calls are issued back to back, so the time
+    a host takes to enqueue a call counts, as in a serving or training loop. On CUDA: events
+    around each call; elsewhere the host clock.
+    """
+    _check_calls(fn, reps=(reps, 1), warmup=(warmup, 0))
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type != "cuda":
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    torch.cuda.synchronize(device)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(reps)
+    ]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def cuda_graph(fn: Callable[[], object], *, calls: int = 1, warmup: int = 3) -> Callable[[], None]:
+    """``calls`` calls of ``fn`` captured in one CUDA graph; returns its ``replay``.
+
+    ``warmup`` calls run first on a side stream (compiling, tuning and allocating outside the
+    capture, as torch's CUDA-graph notes ask). ``fn`` must be capturable: no host sync, and its
+    inputs and outputs at fixed addresses (a replay rewrites the same output tensors).
+    """
+    _check_calls(fn, calls=(calls, 1), warmup=(warmup, 0))
+    if not torch.cuda.is_available():
+        raise RuntimeError("cuda_graph needs a CUDA device; torch.cuda.is_available() is False")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
+def _check_calls(fn, **counts: tuple[int, int]) -> None:
+    """TypeError unless ``fn`` is callable; ValueError unless each count is an int >= its least."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    for name, (value, least) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
 def _clear_grads(tensors: Iterable[torch.Tensor] | None) -> None:
     for t in tensors or ():
         t.grad = None
-
-
-def _quantiles(samples: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(samples, n=10, method="inclusive")
-    return q[1], statistics.median(samples), q[7]
 
 
 def _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes, flush_by):
@@ -136,7 +198,7 @@ def _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes, flush_by
         fn()
         finish.record()
     torch.cuda.synchronize()
-    return _quantiles([begin.elapsed_time(finish) for begin, finish in pairs])
+    return quantiles([begin.elapsed_time(finish) for begin, finish in pairs])
 
 
 def row(

@@ -9,8 +9,8 @@ overlap.
     optimizer.step()
 """
 
-from .base import DataParallel
-from .buckets import plan_buckets
+from .base import DataParallel, DataParallelBase
+from .buckets import group_buckets, plan_buckets
 from .fsdp import FSDP
 from .process_group import init_distributed, local_device, rank_and_world_size
 from .wrappers import DDPBucketed, DDPFlat, DDPIndividualParameters, DDPNaive
@@ -24,7 +24,9 @@ __all__ = [
     "DDPIndividualParameters",
     "DDPNaive",
     "DataParallel",
+    "DataParallelBase",
     "__version__",
+    "group_buckets",
     "init_distributed",
     "local_device",
     "plan_buckets",

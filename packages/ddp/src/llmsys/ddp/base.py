@@ -48,7 +48,7 @@ def _wrapper_of(module: nn.Module) -> str | None:
     return name if name is not None and (wrapper is None or wrapper() is not None) else None
 
 
-class DataParallel(nn.Module):
+class DataParallelBase(nn.Module):
     """Base of the wrappers: broadcast at construction, gradient bookkeeping, ``no_sync``.
 
     Args:
@@ -99,7 +99,7 @@ class DataParallel(nn.Module):
                 param.register_post_accumulate_grad_hook(_hook_to(self, i))
                 for i, param in enumerate(self.params)
             ]
-            _WRAPPED[module] = (type(self).__name__, weakref.ref(self))
+            self._claim_module(for_good=False)
 
     def remove_hooks(self) -> None:
         """Detach this wrapper from the module (to wrap it again, say, with another strategy)."""
@@ -176,7 +176,11 @@ class DataParallel(nn.Module):
         self._arrived[index] = True
         self._gradient_ready(index)
 
-    def _local_gradients(self) -> list[torch.Tensor]:
+    def _claim_module(self, *, for_good: bool) -> None:
+        """Mark ``self.module`` as wrapped by this wrapper (for good: even after it is gone)."""
+        _WRAPPED[self.module] = (type(self).__name__, None if for_good else weakref.ref(self))
+
+    def local_gradients(self) -> list[torch.Tensor]:
         """Each trainable parameter's gradient, or zeros where it got none since the last
         synchronization: every rank then reduces the same tensors, used here or not."""
         return [
@@ -184,7 +188,7 @@ class DataParallel(nn.Module):
             for p, used in zip(self.params, self._used, strict=True)
         ]
 
-    def _used_everywhere(self) -> list[bool]:
+    def used_everywhere(self) -> list[bool]:
         """Which parameters got a gradient since the last synchronization, on every rank.
 
         Every rank all-gathers one flag per parameter, but only a rank with a parameter that got
@@ -255,7 +259,7 @@ class DataParallel(nn.Module):
             )
 
 
-def _hook_to(wrapper: DataParallel, index: int):
+def _hook_to(wrapper: DataParallelBase, index: int):
     """A gradient hook that calls ``wrapper._on_gradient(index, param)`` while the wrapper lives.
 
     It holds the wrapper weakly: a tensor's hooks live where the garbage collector cannot follow
@@ -303,3 +307,7 @@ def _broadcast_from_first_rank(module: nn.Module, group: dist.ProcessGroup | Non
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.detach(), src=source, group=group)
+
+
+# The earlier name, kept for users (torch.nn.DataParallel is another class).
+DataParallel = DataParallelBase

@@ -1,8 +1,8 @@
-"""The bucket plan: which gradients travel together in one all-reduce.
+"""The buckets: which gradients travel together in one all-reduce.
 
-A pure function of the parameters' sizes, so every rank computes the same plan from the same
-model (collectives are matched by the order they are issued in; two ranks with different plans
-would pair unrelated buckets) and the plan can be tested alone.
+A pure function of the parameters' sizes, so every rank computes the same buckets from the
+same model (collectives are matched by the order they are issued in; two ranks with different
+buckets would pair unrelated tensors) and the grouping can be tested alone.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 MIB = 1024 * 1024
 
 
-def plan_buckets(
+def group_buckets(
     nbytes: Sequence[int],
     bucket_size_mb: float,
     kinds: Sequence[Hashable] | None = None,
@@ -38,18 +38,19 @@ def plan_buckets(
     """
     if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)):
         raise TypeError(
-            f"plan_buckets: `bucket_size_mb` must be a number, got {type(bucket_size_mb).__name__}"
+            f"group_buckets: `bucket_size_mb` must be a number, got {type(bucket_size_mb).__name__}"
         )
     if not 0 < bucket_size_mb < math.inf:  # NaN fails too
         raise ValueError(
-            f"plan_buckets: `bucket_size_mb` must be a finite number > 0, got {bucket_size_mb}"
+            f"group_buckets: `bucket_size_mb` must be a finite number > 0, got {bucket_size_mb}"
         )
     if not isinstance(nbytes, Sequence) or isinstance(nbytes, str):
-        raise TypeError(f"plan_buckets: `nbytes` must be a sequence of ints, got {nbytes!r}")
+        raise TypeError(f"group_buckets: `nbytes` must be a sequence of ints, got {nbytes!r}")
     for index, n in enumerate(nbytes):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(
-                f"plan_buckets: `nbytes` must hold non-negative ints, got {n!r} at position {index}"
+                f"group_buckets: `nbytes` must hold non-negative ints, got {n!r} at position "
+                f"{index}"
             )
     if kinds is not None and len(kinds) != len(nbytes):
         raise ValueError(
@@ -67,3 +68,6 @@ def plan_buckets(
             buckets.append([index])
             filled = nbytes[index]
     return buckets
+
+
+plan_buckets = group_buckets  # the earlier name, kept for users

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .base import _WRAPPED, DataParallel
+from .base import DataParallelBase
 from .wrappers import all_reduce_flat
 
 # torch 2.13 renamed the single-tensor collectives and warns on the old names, which are all that
@@ -163,7 +163,7 @@ class _GatheredWeights(torch.autograd.Function):
         return (None, None) + (None,) * len(grads_full)
 
 
-class FSDP(DataParallel):
+class FSDP(DataParallelBase):
     """Fully sharded data parallel over the ranks of ``torch.distributed`` (or one process).
 
     Args:
@@ -217,7 +217,7 @@ class FSDP(DataParallel):
                 shard = _Shard(param, name, self.rank, self.world_size)
                 param.data = shard.slice_of(param)
                 self._shards[param] = shard
-        _WRAPPED[module] = (type(self).__name__, None)  # sharded in place: never wrap it again
+        self._claim_module(for_good=True)  # sharded in place: never wrap it again
         # A unit: a block (an item of the innermost nn.ModuleList) or a module outside every
         # list, with the (owner, attribute, parameter) triples it gathers or casts.
         self._units = _units(module, self._shards, replicated_cast=compute_dtype is not None)

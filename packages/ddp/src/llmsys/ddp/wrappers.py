@@ -1,6 +1,6 @@
 """Four ways to average gradients over ranks, from the simplest to the one torch DDP uses.
 
-All four keep the contract of :class:`~llmsys.ddp.base.DataParallel`; they differ in how many
+All four keep the contract of :class:`~llmsys.ddp.base.DataParallelBase`; they differ in how many
 collectives they issue and when:
 
 | wrapper                    | collectives per step          | starts communicating      |
@@ -15,8 +15,8 @@ few large collectives beat many small ones; and communication started during bac
 behind the rest of backward. Bucketing gets both (``docs/overlap.md`` models the trade-off).
 
 Collectives are matched across ranks by the order they are issued in, so the overlapping
-wrappers launch buckets strictly in plan order: a bucket whose gradients are complete waits for
-the buckets planned before it. Autograd's order can differ between ranks; the plan cannot.
+wrappers launch buckets strictly in bucket order: a bucket whose gradients are complete waits for
+the buckets before it. Autograd's order can differ between ranks; the bucket order cannot.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .base import DataParallel
-from .buckets import plan_buckets
+from .base import DataParallelBase
+from .buckets import group_buckets
 
 
 def _divide(tensors: list[torch.Tensor], divisor: int) -> None:
@@ -37,7 +37,7 @@ def _divide(tensors: list[torch.Tensor], divisor: int) -> None:
         torch._foreach_div_(tensors, divisor)
 
 
-class DDPNaive(DataParallel):
+class DDPNaive(DataParallelBase):
     """One blocking all-reduce per parameter, after backward. The baseline: simple and slow.
 
     Args:
@@ -46,14 +46,14 @@ class DDPNaive(DataParallel):
     """
 
     def _synchronize(self) -> None:
-        local = self._local_gradients()
+        local = self.local_gradients()
         for grad in local:
             dist.all_reduce(grad, group=self.process_group)
-        used = self._used_everywhere()
+        used = self.used_everywhere()
         _divide([g for g, is_used in zip(local, used, strict=True) if is_used], self.world_size)
 
 
-class DDPFlat(DataParallel):
+class DDPFlat(DataParallelBase):
     """Every gradient copied into one flat buffer per dtype, one all-reduce, copied back.
 
     Args:
@@ -65,9 +65,9 @@ class DDPFlat(DataParallel):
         all_reduce_flat(self)
 
 
-def all_reduce_flat(wrapper: DataParallel) -> None:
+def all_reduce_flat(wrapper: DataParallelBase) -> None:
     """Average ``wrapper.params``' gradients with one all-reduce per dtype (DDPFlat's way)."""
-    local = wrapper._local_gradients()
+    local = wrapper.local_gradients()
     by_dtype: dict[torch.dtype, list[int]] = {}
     for index, grad in enumerate(local):
         by_dtype.setdefault(grad.dtype, []).append(index)
@@ -75,7 +75,7 @@ def all_reduce_flat(wrapper: DataParallel) -> None:
     for dtype, indices in by_dtype.items():
         flats[dtype] = torch.cat([local[i].reshape(-1) for i in indices])
         dist.all_reduce(flats[dtype], group=wrapper.process_group)
-    used = wrapper._used_everywhere()
+    used = wrapper.used_everywhere()
     for dtype, indices in by_dtype.items():
         flat = flats[dtype].div_(wrapper.world_size)
         pieces = flat.split([local[i].numel() for i in indices])
@@ -105,13 +105,13 @@ class _Bucket:
         return list(self.buffer.split(self.numels))
 
 
-class _OverlappedDataParallel(DataParallel):
-    """Buckets launched from the gradient hooks, in plan order; the rest at the end."""
+class _OverlappedDataParallel(DataParallelBase):
+    """Buckets launched from the gradient hooks, in bucket order; the rest at the end."""
 
-    def __init__(self, module, plan_of, *, process_group=None):
+    def __init__(self, module, buckets_of, *, process_group=None):
         super().__init__(module, process_group=process_group)
-        plan, wire_dtypes = plan_of(self.params)
-        self.buckets = [_Bucket(indices, self.params, wire_dtypes[indices[0]]) for indices in plan]
+        indices_of, wire_dtypes = buckets_of(self.params)
+        self.buckets = [_Bucket(ix, self.params, wire_dtypes[ix[0]]) for ix in indices_of]
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
         self._next = 0  # the next bucket to launch
 
@@ -151,11 +151,11 @@ class _OverlappedDataParallel(DataParallel):
 
     def _synchronize(self) -> None:
         # Buckets still incomplete (a parameter unused in this backward, or used only in an
-        # earlier no_sync micro-batch) go now, in plan order like the others.
+        # earlier no_sync micro-batch) go now, in bucket order like the others.
         for bucket in self.buckets[self._next :]:
             self._launch(bucket)
         self._next = len(self.buckets)
-        used = self._used_everywhere()
+        used = self.used_everywhere()
         in_place, grads, sums = [], [], []
         for bucket in self.buckets:
             bucket.work.wait()
@@ -239,6 +239,6 @@ class DDPBucketed(_OverlappedDataParallel):
         def by_size(params):
             wire = [grad_dtype or p.dtype for p in params]
             nbytes = [p.numel() * w.itemsize for p, w in zip(params, wire, strict=True)]
-            return plan_buckets(nbytes, bucket_size_mb, kinds=wire), wire
+            return group_buckets(nbytes, bucket_size_mb, kinds=wire), wire
 
         super().__init__(module, by_size, process_group=process_group)

@@ -40,14 +40,13 @@ import inspect
 import math
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from llmsys.bench_harness import results
+from llmsys.bench_harness import call_times_ms, cuda_graph, results
 
 from .options import batch_by_tokens, non_negative_int, positive_int
 from .progress import progress
@@ -194,63 +193,6 @@ def cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def time_calls(fn: Callable[[], object], warmup: int, reps: int, device) -> list[float]:
-    """Milliseconds of each of ``reps`` calls after ``warmup`` untimed ones: CUDA events around
-    each call (calls issued back to back, so host gaps count), else the host clock."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    if torch.device(device).type != "cuda":
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return times
-    events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(reps)
-    ]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events]
-
-
-def cuda_graph(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` captured as one CUDA graph (after 3 warm-up calls on a side stream); its replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-class W8A8Reference(nn.Module):
-    """An ``Int8Linear``'s scheme in float32: ``x`` quantized per row in float32, the integer
-    product exact (float64), scaled by both scales; the layer's own int8 weight and scales."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.qweight, self.bias = layer.qweight, layer.bias
-        self.weight_scale = layer.weight_scale.float()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from llmsys.kernels_int8 import matmul_int8_reference, quantize_int8_perrow_reference
-
-        q, scale = quantize_int8_perrow_reference(x.reshape(-1, x.shape[-1]).float())
-        bias = None if self.bias is None else self.bias.float()
-        out = matmul_int8_reference(q, scale, self.qweight.t(), self.weight_scale, bias)
-        return out.reshape(*x.shape[:-1], -1)
-
-
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     expected = expected.double()
     return ((actual.double() - expected).norm() / expected.norm()).item()
@@ -317,7 +259,7 @@ def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
             fn = call(phase, name)
             try:
                 fn = cuda_graph(fn) if mode == "cuda-graph" else fn
-                times = time_calls(fn, args.warmup, args.reps, device)
+                times = call_times_ms(fn, reps=args.reps, warmup=args.warmup, device=device)
             except Exception as error:  # a provider that cannot be captured is a result too
                 if on_cuda:
                     torch.cuda.synchronize()
@@ -326,21 +268,20 @@ def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
         emit(_row(f"llama/{phase}", name, mode, x, "float16", times, done, settings))
     caches.clear()
 
+    from llmsys.kernels_int8 import w8a8_reference_model
+
     with torch.no_grad():  # logits error on the prefill batch
         fp32 = copy.deepcopy(fp16).float()
         want = fp32(prompt, use_cache=False).logits
-        reference = fp32
-        for module_name, module in list(models["int8"].named_modules()):
-            if type(module).__name__ == "Int8Linear":
-                parent, _, child = module_name.rpartition(".")
-                setattr(reference.get_submodule(parent), child, W8A8Reference(module))
+        del fp32  # one float32 copy at a time (an 8B one is 32 GB)
+        reference = w8a8_reference_model(fp16)  # every linear, as quantize_linears swaps them
         logits = {
             "fp16": fp16(prompt, use_cache=False).logits,
             "int8": models["int8"](prompt, use_cache=False).logits,
             "int8-fused": models["int8-fused"](prompt, use_cache=False).logits,
             "w8a8-reference-fp32": reference(prompt, use_cache=False).logits,
         }
-        del fp32, reference
+        del reference
     for name, got in logits.items():
         versus_fp16 = relative_error(got, logits["fp16"])
         emit(
@@ -463,11 +404,11 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
             optimizer = make_optimizer(model)
             data = torch.randint(0, sizes["vocab_size"], (batch, tokens), device=device)
             try:
-                times = time_calls(
+                times = call_times_ms(
                     lambda: train_step(call, optimizer, data, device),
-                    args.warmup,
-                    args.reps,
-                    device,
+                    reps=args.reps,
+                    warmup=args.warmup,
+                    device=device,
                 )
                 memory = torch.cuda.max_memory_allocated(device) / 2**30 if on_cuda else None
             except torch.OutOfMemoryError:

@@ -56,9 +56,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmsys.bench_harness import results
+from llmsys.bench_harness import call_times_ms, cuda_graph, results
 
-from .llama import LLAMA, LLAMA_8B, TINY, _transformers, build_llama, cuda_graph, time_calls
+from .llama import LLAMA, LLAMA_8B, TINY, _transformers, build_llama
 from .options import batch_by_tokens, non_negative_int, positive_int
 from .progress import progress
 from .training import synchronize
@@ -334,7 +334,7 @@ def _step_row(model, name, phase, mode, size, x, context, args, settings) -> res
             with compiled_layers(model) if mode.startswith("compiled") else nullcontext():
                 if mode in GRAPH_MODES:
                     fn = cuda_graph(fn)
-                times = time_calls(fn, args.warmup, args.reps, device)
+                times = call_times_ms(fn, reps=args.reps, warmup=args.warmup, device=device)
     except Exception as error:  # a provider that fails on a case is a result too
         return _failed(phase, name, mode, x, _why(settings, error, device))
     return _row(phase, name, mode, x, times, done, settings)

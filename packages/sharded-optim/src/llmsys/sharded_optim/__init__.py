@@ -2,8 +2,19 @@
 only the parameters it owns, steps them, and broadcasts them to the other ranks."""
 
 from .optimizer import ShardedOptimizer
-from .plan import ShardPlan, plan_shards
+from .ownership import Ownership, assign_owners
 
 __version__ = "0.1.0"
 
-__all__ = ["ShardPlan", "ShardedOptimizer", "__version__", "plan_shards"]
+# The earlier names, kept for users.
+ShardPlan = Ownership
+plan_shards = assign_owners
+
+__all__ = [
+    "Ownership",
+    "ShardPlan",
+    "ShardedOptimizer",
+    "__version__",
+    "assign_owners",
+    "plan_shards",
+]

@@ -48,7 +48,7 @@ def all_gathered(value: Any) -> list[Any]:
 
 def check_same_parameters(params: Sequence[torch.Tensor], where: str) -> None:
     """Raise ``ValueError`` on every rank unless all ranks pass parameters of the same shapes
-    and dtypes in the same order: the plan and the broadcasts assume it, and a mismatch would
+    and dtypes in the same order: the ownership and the broadcasts assume it, and a mismatch would
     otherwise hang in a collective or copy the wrong bytes. Under NCCL every parameter must be
     on a GPU (its broadcasts cannot carry CPU tensors), checked here before any step."""
     if world_size_of_group() > 1 and "nccl" in str(dist.get_backend()):

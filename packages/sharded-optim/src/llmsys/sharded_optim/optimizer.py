@@ -4,7 +4,7 @@ In data parallelism every rank holds all parameters and, after the gradient all-
 averaged gradients; a plain optimizer then repeats the same update on every rank and keeps a
 full copy of its state on each (AdamW: two fp32 tensors per parameter, twice the fp32 weights).
 ZeRO stage 1 (Rajbhandari et al. 2019, arXiv 1910.02054) updates each parameter on one rank
-only, its owner (``plan.py``), which alone keeps its state; owners then send the updated
+only, its owner (``ownership.py``), which alone keeps its state; owners then send the updated
 parameters to the other ranks (``resync.py``).
 
 One training step, on every rank:
@@ -41,7 +41,7 @@ import torch
 
 from .checkpoint import gather_state, unpack_full_state_dict
 from .comm import all_gathered, check_same_parameters, rank_and_world_size
-from .plan import ShardPlan, plan_shards
+from .ownership import Ownership, assign_owners
 from .resync import broadcast_from_owners, make_buckets
 
 NAME = "ShardedOptimizer"
@@ -64,7 +64,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Attributes:
         rank, world_size: this process's place in the default group ((0, 1) without one).
-        plan: the :class:`~llmsys.sharded_optim.ShardPlan` (owner of each global index).
+        ownership: the :class:`~llmsys.sharded_optim.Ownership` (owner of each global index).
         local_optimizer: the ``optimizer_cls`` instance over the owned parameters.
     """
 
@@ -83,17 +83,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if issubclass(optimizer_cls, ShardedOptimizer):
             raise TypeError(f"{NAME}: `optimizer_cls` cannot be {NAME} itself (nothing to nest)")
         self.rank, self.world_size = rank_and_world_size()
-        # None while Optimizer.__init__ adds the groups one by one: they are planned together
+        # None while Optimizer.__init__ adds the groups one by one: they are assigned together
         # below, so that the sorted-greedy order runs over every parameter at once.
-        self.plan: ShardPlan | None = None
+        self.ownership: Ownership | None = None
         self._consolidated: dict[int, dict] | None = None
         self._consolidated_to: int | None = None
         super().__init__(_param_groups_of(params), defaults=dict(kwargs))
 
         all_params = self._all_params()
         check_same_parameters(all_params, NAME)
-        self.plan = plan_shards([p.numel() for p in all_params], self.world_size)
-        owned = {id(all_params[i]) for i in self.plan.params_of(self.rank)}
+        self.ownership = assign_owners([p.numel() for p in all_params], self.world_size)
+        owned = {id(all_params[i]) for i in self.ownership.params_of(self.rank)}
         local_groups = [
             _with_params(group, [p for p in group["params"] if id(p) in owned])
             for group in self.param_groups
@@ -105,7 +105,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             _fill_missing_options(group, local)
         self.defaults = dict(self.local_optimizer.defaults)
         self.state = self.local_optimizer.state
-        self._buckets = make_buckets(all_params, self.plan.owners)
+        self._buckets = make_buckets(all_params, self.ownership.owners)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of new parameters (also during training) and give each an owner.
@@ -115,24 +115,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 optimizer's defaults. Call on every rank with the same parameters.
         """
         group = self._checked_group(param_group)
-        if self.plan is None:  # called by Optimizer.__init__: the constructor plans afterwards
+        if self.ownership is None:  # from Optimizer.__init__: the constructor assigns owners after
             super().add_param_group(group)
             return
         check_same_parameters([*self._all_params(), *group["params"]], f"{NAME}.add_param_group")
         super().add_param_group(group)
         group, all_params = self.param_groups[-1], self._all_params()
-        plan = self.plan.extend([p.numel() for p in group["params"]])
-        owners = plan.owners[len(self.plan.owners) :]
+        ownership = self.ownership.extend([p.numel() for p in group["params"]])
+        owners = ownership.owners[len(self.ownership.owners) :]
         owned = [p for p, owner in zip(group["params"], owners, strict=True) if owner == self.rank]
         try:
             self.local_optimizer.add_param_group(_with_params(group, owned))
         except Exception:
             self.param_groups.pop()  # all or nothing: the outer and local groups stay paired
             raise
-        self.plan = plan
+        self.ownership = ownership
         _fill_missing_options(group, self.local_optimizer.param_groups[-1])
-        self._buckets = make_buckets(all_params, self.plan.owners)
+        self._buckets = make_buckets(all_params, self.ownership.owners)
         self._consolidated = None
+
+    @property
+    def plan(self) -> Ownership | None:
+        """The earlier name of :attr:`ownership`, kept for users."""
+        return self.ownership
 
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:
         """Update the owned parameters, then receive every other parameter from its owner.
@@ -212,7 +217,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         all_params = self._all_params()
         owned = {}
-        for i in self.plan.params_of(self.rank):
+        for i in self.ownership.params_of(self.rank):
             state = self.state.get(all_params[i])
             if state:  # parameters that never had a gradient have no state
                 owned[i] = state
@@ -295,7 +300,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _checked_group(self, param_group: Any) -> dict[str, Any]:
         """A copy of ``param_group`` with ``params`` as a list of distinct leaf tensors that no
         other group has; TypeError / ValueError naming the problem otherwise."""
-        where = NAME if self.plan is None else f"{NAME}.add_param_group"
+        where = NAME if self.ownership is None else f"{NAME}.add_param_group"
         if not isinstance(param_group, dict) or "params" not in param_group:
             raise TypeError(
                 f"{where}: `param_group` must be a dict with a 'params' entry, got "
@@ -336,7 +341,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Raise on every rank unless the ranks together now hold state for exactly the
         ``expected`` parameters that have state in the loaded dict, each on its owner."""
         all_params = self._all_params()
-        loaded = sum(1 for i in self.plan.params_of(self.rank) if self.state.get(all_params[i]))
+        loaded = sum(
+            1 for i in self.ownership.params_of(self.rank) if self.state.get(all_params[i])
+        )
         counts = all_gathered((expected, loaded))  # (expected, loaded) of each rank
         if len({e for e, _ in counts}) > 1 or sum(n for _, n in counts) != expected:
             raise RuntimeError(

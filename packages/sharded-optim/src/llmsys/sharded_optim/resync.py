@@ -66,11 +66,11 @@ class Bucket:
 def make_buckets(
     params: Sequence[torch.Tensor], owners: Sequence[int], bucket_bytes: int | None = None
 ) -> list[Bucket]:
-    """The broadcast buckets of a plan, owner 0's first, in the order every rank sends them.
+    """The broadcast buckets of an ownership, owner 0's first, in the order every rank sends them.
 
     Args:
         params: every parameter, in global index order.
-        owners: ``owners[i]`` is the rank that owns ``params[i]`` (``ShardPlan.owners``).
+        owners: ``owners[i]`` is the rank that owns ``params[i]`` (``Ownership.owners``).
         bucket_bytes: a contiguous parameter of at least this many bytes goes alone, in place;
             smaller ones are packed while the buffer stays within it. Default (None): the
             module's :data:`BUCKET_BYTES` at the time of the call, 32 MiB.

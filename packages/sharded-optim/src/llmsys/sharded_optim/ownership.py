@@ -1,7 +1,7 @@
 """Which rank owns which parameter: a sorted-greedy partition of element counts.
 
 ZeRO stage 1 keeps each parameter's optimizer state on one rank only, its owner. Whole tensors
-are assigned (a tensor is never split), so the plan balances element counts as well as whole
+are assigned (a tensor is never split), so the owners balance element counts as well as whole
 tensors allow:
 
     order the parameters largest first (ties: lower index first)
@@ -13,9 +13,9 @@ greedy pass has the same bound, but sorting makes the final, smallest tensors fi
 (12 tensors of sizes 1..12 on 3 ranks: 26 / 26 / 26 sorted, against 22 / 26 / 30 in index
 order).
 
-The plan is a pure function of the element counts and the world size, so every rank computes
-the same plan without talking to the others. Parameters added later (``add_param_group``) are
-placed by :meth:`ShardPlan.extend`, around the loads already there, and the plan keeps the bound.
+The owners are a pure function of the element counts and the world size, so every rank computes
+the same owners without talking to the others. Parameters added later (``add_param_group``) are
+placed by :meth:`Ownership.extend`, around the loads already there, keeping the bound.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardPlan:
+class Ownership:
     """The owning rank of every parameter, by its global index.
 
     The global index is a parameter's position when all param groups' ``params`` are read in
@@ -44,29 +44,29 @@ class ShardPlan:
     def __post_init__(self) -> None:
         n = self.world_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"ShardPlan: `world_size` must be a positive int, got {n!r}")
+            raise ValueError(f"Ownership: `world_size` must be a positive int, got {n!r}")
         for name in ("owners", "loads"):
             if not isinstance(getattr(self, name), tuple):
                 raise TypeError(
-                    f"ShardPlan: `{name}` must be a tuple of ints, got "
+                    f"Ownership: `{name}` must be a tuple of ints, got "
                     f"{type(getattr(self, name)).__name__}"
                 )
         for i, owner in enumerate(self.owners):
             if not _is_int(owner) or not 0 <= owner < n:
                 raise ValueError(
-                    f"ShardPlan: `owners` must hold ranks in 0..{n - 1} (world_size={n}), got "
+                    f"Ownership: `owners` must hold ranks in 0..{n - 1} (world_size={n}), got "
                     f"{owner!r} at position {i}"
                 )
-        if not self.loads:  # a new plan: nothing owned yet
+        if not self.loads:  # a new ownership: nothing owned yet
             object.__setattr__(self, "loads", (0,) * n)
         if len(self.loads) != n:
             raise ValueError(
-                f"ShardPlan: `loads` must have one entry per rank ({n}), got {len(self.loads)}"
+                f"Ownership: `loads` must have one entry per rank ({n}), got {len(self.loads)}"
             )
         for rank, load in enumerate(self.loads):
             if not _is_int(load) or load < 0:
                 raise ValueError(
-                    f"ShardPlan: `loads` must hold non-negative ints, got {load!r} for rank {rank}"
+                    f"Ownership: `loads` must hold non-negative ints, got {load!r} for rank {rank}"
                 )
 
     def params_of(self, rank: int) -> list[int]:
@@ -77,13 +77,13 @@ class ShardPlan:
         """
         if not _is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(
-                f"ShardPlan.params_of: `rank` must be an int in 0..{self.world_size - 1}, "
+                f"Ownership.params_of: `rank` must be an int in 0..{self.world_size - 1}, "
                 f"got {rank!r}"
             )
         return [i for i, owner in enumerate(self.owners) if owner == rank]
 
-    def extend(self, numels: Sequence[int]) -> ShardPlan:
-        """This plan with parameters of ``numels`` elements appended (indices ``len(owners)``
+    def extend(self, numels: Sequence[int]) -> Ownership:
+        """This ownership with parameters of ``numels`` elements appended (indices ``len(owners)``
         on), each placed sorted-greedily on top of the current loads."""
         _check_numels(numels)
         loads = list(self.loads)
@@ -92,10 +92,10 @@ class ShardPlan:
             rank = min(range(self.world_size), key=loads.__getitem__)  # ties: lowest rank
             new_owners[i] = rank
             loads[rank] += numels[i]
-        return ShardPlan(self.world_size, self.owners + tuple(new_owners), tuple(loads))
+        return Ownership(self.world_size, self.owners + tuple(new_owners), tuple(loads))
 
 
-def plan_shards(numels: Sequence[int], world_size: int) -> ShardPlan:
+def assign_owners(numels: Sequence[int], world_size: int) -> Ownership:
     """Assign parameters with ``numels[i]`` elements to ``world_size`` ranks, largest first to
     the least-loaded rank.
 
@@ -104,10 +104,10 @@ def plan_shards(numels: Sequence[int], world_size: int) -> ShardPlan:
         world_size: the number of ranks (a positive int).
 
     Returns:
-        A :class:`ShardPlan`; its largest load is at most ``sum(numels) / world_size +
+        A :class:`Ownership`; its largest load is at most ``sum(numels) / world_size +
         max(numels)``.
     """
-    return ShardPlan(world_size).extend(numels)
+    return Ownership(world_size).extend(numels)
 
 
 def _is_int(value) -> bool:
@@ -117,10 +117,10 @@ def _is_int(value) -> bool:
 def _check_numels(numels: Sequence[int]) -> None:
     if not isinstance(numels, Sequence) or isinstance(numels, str):
         raise TypeError(
-            f"ShardPlan: `numels` must be a sequence of ints, got {type(numels).__name__}"
+            f"Ownership: `numels` must be a sequence of ints, got {type(numels).__name__}"
         )
     for i, n in enumerate(numels):
         if not _is_int(n) or n < 0:
             raise ValueError(
-                f"ShardPlan: `numels` must hold non-negative ints, got {n!r} at position {i}"
+                f"Ownership: `numels` must hold non-negative ints, got {n!r} at position {i}"
             )
