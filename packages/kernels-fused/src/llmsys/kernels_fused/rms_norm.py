@@ -16,6 +16,7 @@ and their fakes, autograd, public functions.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -325,13 +326,18 @@ def _rms_norm_fwd_eager(x, weight, eps, residual):
     return y.contiguous(), s.contiguous(), rstd
 
 
+# y's dtype. torch.promote_types is an ATen op (aten.promote_types), which a recorded replay
+# refuses to record; the few dtype pairs a process meets are remembered from its first call.
+promoted_dtype = functools.cache(torch.promote_types)
+
+
 def _rms_norm_fwd(x, weight, eps, residual):
     check_inputs("rms_norm_fwd", x, weight, eps, residual)
     if not x.is_cuda and not CPU_RUNS_TRITON:
         return _rms_norm_fwd_eager(x, weight, eps, residual)
     x2 = _rows(x)  # (M, N)
     M, N = x2.shape
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y = torch.empty(x.shape, dtype=promoted_dtype(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if residual is None:
         res2, s = x2, x.new_empty(0)
@@ -351,7 +357,7 @@ def _rms_norm_fwd(x, weight, eps, residual):
 
 def _rms_norm_fwd_fake(x, weight, eps, residual):
     check_inputs("rms_norm_fwd", x, weight, eps, residual)
-    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    y = x.new_empty(x.shape, dtype=promoted_dtype(x.dtype, weight.dtype))
     s = x.new_empty(0) if residual is None else x.new_empty(x.shape)
     return y, s, x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 

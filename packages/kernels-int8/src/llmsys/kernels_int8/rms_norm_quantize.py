@@ -27,6 +27,7 @@ from llmsys.kernels_fused.rms_norm import (
     _valid,
     check_inputs,
     launch_config,
+    promoted_dtype,
 )
 from llmsys.triton_launch import call_below_autograd, cdiv, define_op, launch, wants_grad
 
@@ -116,7 +117,7 @@ def rms_norm_quantize(x, weight, eps, residual):
     x2 = _rows(x)  # (M, N)
     M, N = x2.shape
     q = torch.empty((M, N), dtype=torch.int8, device=x.device)
-    scale = torch.empty(M, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    scale = torch.empty(M, dtype=promoted_dtype(x.dtype, weight.dtype), device=x.device)
     if residual is None:
         res2, s = x2, x.new_empty(0)
     else:
@@ -138,7 +139,7 @@ def _rms_norm_quantize_fake(x, weight, eps, residual):
     check_inputs("int8_rms_norm_quantize", x, weight, eps, residual)
     M = math.prod(x.shape[:-1])
     q = x.new_empty((M, x.shape[-1]), dtype=torch.int8)
-    scale = x.new_empty(M, dtype=torch.promote_types(x.dtype, weight.dtype))
+    scale = x.new_empty(M, dtype=promoted_dtype(x.dtype, weight.dtype))
     return q, scale, x.new_empty(0) if residual is None else x.new_empty(x.shape)
 
 
