@@ -34,15 +34,3 @@ __all__ = [
     "rotary_backward_reference",
     "rotary_reference",
 ]
-
-# The int8 RMSNorm moved to llmsys.kernels_int8 (beside the other int8 producers); its old names
-# here still resolve, on first use, where that package is installed.
-_MOVED_TO_KERNELS_INT8 = ("rms_norm_quantize_int8", "rms_norm_quantize_int8_reference")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_KERNELS_INT8:
-        import llmsys.kernels_int8
-
-        return getattr(llmsys.kernels_int8, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
