@@ -331,6 +331,27 @@ def _rms_norm_fwd_eager(x, weight, eps, residual):
 promoted_dtype = functools.cache(torch.promote_types)
 
 
+def residual_rows(x, x2, residual) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the residual's rows, ``s``) for a row kernel over ``x2``, ``x``'s (M, N) rows: ``s`` is
+    allocated for the kernel to write ``x + residual`` into; without a residual, ``x``'s rows
+    and an empty ``s``."""
+    if residual is None:
+        return x2, x.new_empty(0)
+    return _rows(residual), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def row_launch(M: int, N: int, residual) -> tuple[int, dict, int]:
+    """(grid, constexprs, num_warps) of a row kernel over (M, N) rows."""
+    block_m, block_n, one_pass, num_warps = launch_config(M, N)
+    constexprs = {
+        "HAS_RESIDUAL": residual is not None,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "ONE_PASS": one_pass,
+    }
+    return cdiv(M, block_m), constexprs, num_warps
+
+
 def _rms_norm_fwd(x, weight, eps, residual):
     check_inputs("rms_norm_fwd", x, weight, eps, residual)
     if not x.is_cuda and not CPU_RUNS_TRITON:
@@ -339,19 +360,10 @@ def _rms_norm_fwd(x, weight, eps, residual):
     M, N = x2.shape
     y = torch.empty(x.shape, dtype=promoted_dtype(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    if residual is None:
-        res2, s = x2, x.new_empty(0)
-    else:
-        res2, s = _rows(residual), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, one_pass, num_warps = launch_config(M, N)
-    constexprs = {
-        "HAS_RESIDUAL": residual is not None,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "ONE_PASS": one_pass,
-    }
+    res2, s = residual_rows(x, x2, residual)
+    grid, constexprs, num_warps = row_launch(M, N, residual)
     args = (x2, res2, weight, y, s if residual is not None else x2, rstd, M, N, float(eps))
-    launch(rms_norm_fwd_kernel, cdiv(M, block_m), args, constexprs, num_warps=num_warps)
+    launch(rms_norm_fwd_kernel, grid, args, constexprs, num_warps=num_warps)
     return y, s, rstd
 
 

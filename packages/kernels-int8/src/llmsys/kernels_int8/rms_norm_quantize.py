@@ -26,10 +26,11 @@ from llmsys.kernels_fused.rms_norm import (
     _sum_of_squares,
     _valid,
     check_inputs,
-    launch_config,
     promoted_dtype,
+    residual_rows,
+    row_launch,
 )
-from llmsys.triton_launch import call_below_autograd, cdiv, define_op, launch, wants_grad
+from llmsys.triton_launch import call_below_autograd, define_op, launch, wants_grad
 
 from .kernels import _abs_nan_as_inf, _quantize, _store_scale
 from .ops import CPU_RUNS_TRITON, NAMESPACE
@@ -118,20 +119,11 @@ def rms_norm_quantize(x, weight, eps, residual):
     M, N = x2.shape
     q = torch.empty((M, N), dtype=torch.int8, device=x.device)
     scale = torch.empty(M, dtype=promoted_dtype(x.dtype, weight.dtype), device=x.device)
-    if residual is None:
-        res2, s = x2, x.new_empty(0)
-    else:
-        res2, s = _rows(residual), torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    block_m, block_n, one_pass, num_warps = launch_config(M, N)
-    constexprs = {
-        "HAS_RESIDUAL": residual is not None,
-        "BLOCK_M": block_m,
-        "BLOCK_N": block_n,
-        "ONE_PASS": one_pass,
-        "PRECISE": x.is_cuda,
-    }
+    res2, s = residual_rows(x, x2, residual)
+    grid, constexprs, num_warps = row_launch(M, N, residual)
+    constexprs["PRECISE"] = x.is_cuda
     args = (x2, res2, weight, q, scale, s if residual is not None else x2, M, N, float(eps))
-    launch(rms_norm_quantize_int8_kernel, cdiv(M, block_m), args, constexprs, num_warps=num_warps)
+    launch(rms_norm_quantize_int8_kernel, grid, args, constexprs, num_warps=num_warps)
     return q, scale, s
 
 
