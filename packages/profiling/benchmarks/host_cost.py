@@ -189,7 +189,7 @@ def rows() -> list[dict]:
             lambda: F.silu(a) * b,
         )
         row("host", f"swiglu(), 128x128 {name}", ours_fn, eager, 0.75, "F.silu(a) * b")
-        row("host", f"swiglu_fwd op by name, 128x128 {name}", by_name, eager, 1.0, "F.silu(a) * b")
+        row("host", f"swiglu_fwd op by name, 128x128 {name}", by_name, eager, 0.9, "F.silu(a) * b")
     a, b = (torch.randn(128, 128, **cuda) for _ in range(2))
     found = alternatives()
     eager_swiglu, *costs = host_us(
