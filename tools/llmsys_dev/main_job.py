@@ -222,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"# llmsys benchmark report\n\nDevice: {measured_on} | "
         f"composed with torch {torch.__version__} | {harness.timestamp()} | {elapsed:.0f} s\n\n"
-        "Times are medians (p50); `vs baseline` is the baseline provider's time over this one's "
-        "(higher is faster); the roofline is the measured copy bandwidth for memory-bound kernels "
+        "Times are medians (p50); `time / baseline` is this row's time over the baseline "
+        "provider's (lower is faster), as in the plots and every README; the roofline is the "
+        "measured copy bandwidth for memory-bound kernels "
         "and the measured matmul rate for compute-bound ones, except in the profiling package, "
         "whose `of roofline` is MFU or attention TFLOP/s over the GPU's datasheet peak (each "
         "row's config names it).\n"
