@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import importlib.util
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -76,7 +77,7 @@ def committed_gpu_links(swept: list, out: Path) -> str:
         results_dir = package.path / "benchmarks" / "results"
         links = []
         for path in sorted(results_dir.glob("*.csv")):
-            if path.stem == "cpu" or "-" in path.stem:  # h100.csv, not h100-profile-llmsys.csv
+            if not re.fullmatch(r"[a-z]+\d+", path.stem):  # h100.csv, not h100-llama.csv
                 continue
             gpus.add(path.stem)
             link = f"[`{path.stem}.csv`]({os.path.relpath(path, out)})"
