@@ -30,6 +30,7 @@ ENVS = ROOT / ".nox"
 CONSTRAINTS = ROOT / "constraints" / "cpu.txt"
 BASE = ENVS / "torch-base"
 DEV = ENVS / "dev"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 def _run(cmd: list[str], **kwargs) -> None:
@@ -54,13 +55,62 @@ def dev_requirements(group: str = "dev") -> list[str]:
     return list(meta["dependency-groups"][group])
 
 
+def cpu_index_reachable(url: str = CPU_INDEX, timeout: float = 5.0) -> bool:
+    """Whether torch's CPU wheel index answers within ``timeout`` seconds (one try: pip's own
+    retries spend about 2 minutes on a host it cannot reach)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/torch/", timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def torch_install_command(pins: list[str], target: Path, *, cpu_index: bool) -> list[str]:
+    """The pip command that installs ``pins`` into ``target``. With ``cpu_index``, torch's CPU
+    index is searched beside pip's own: ``torch==2.13.0`` then resolves to ``2.13.0+cpu`` (a
+    local version sorts above the plain one) while triton still comes from pip's index."""
+    index = ["--extra-index-url", CPU_INDEX] if cpu_index else []
+    return [*_pip(sys.executable), "install", "--target", str(target), *index, *pins]
+
+
+def has_cuda_build(folder: Path) -> bool:
+    """Whether the torch in ``folder`` is a CUDA build: those pull in the nvidia-* wheels."""
+    return (folder / "nvidia").is_dir() or any(folder.glob("torch-*+cu*.dist-info"))
+
+
+def machine_has_gpu() -> bool:
+    return Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
+
+
 def torch_base() -> Path:
-    """Install torch and triton (CPU) once into .nox/torch-base; returns the folder."""
+    """Install torch and triton (CPU) once into .nox/torch-base; returns the folder.
+
+    torch comes from its CPU index where that index answers; where it does not, from pip's
+    configured index and wheel folders, which on Linux without a local CPU wheel is the CUDA
+    build (several GB): said before the install and, on a machine with no GPU, after it."""
     digest = _digest(CONSTRAINTS.read_text(), sys.version)
     if not _stamp_ok(BASE, digest):
         shutil.rmtree(BASE, ignore_errors=True)
         pins = [line.split("#")[0].strip() for line in CONSTRAINTS.read_text().splitlines()]
-        _run([*_pip(sys.executable), "install", "--target", BASE, *filter(None, pins)])
+        reachable = cpu_index_reachable()
+        if not reachable:
+            print(
+                f"note: torch's CPU index ({CPU_INDEX}) did not answer within 5 s; installing "
+                "torch from pip's own index and wheel folders instead (on Linux without a local "
+                "CPU wheel that is the CUDA build, several GB)",
+                flush=True,
+            )
+        _run(torch_install_command([p for p in pins if p], BASE, cpu_index=reachable))
+        if has_cuda_build(BASE) and not machine_has_gpu():
+            print(
+                "\n" + "!" * 78 + f"\nWARNING: {BASE} holds a CUDA build of torch on a machine "
+                "with no GPU.\nThe tests run on it, but it takes several GB. For the CPU build, "
+                f"make {CPU_INDEX}\nreachable (or put a torch CPU wheel in a pip --find-links "
+                "folder), delete\n.nox/torch-base and run again.\n" + "!" * 78,
+                flush=True,
+            )
         (BASE / ".llmsys-stamp").write_text(digest)
     return BASE
 

@@ -13,8 +13,10 @@ exercises every package.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -66,31 +68,65 @@ def section_body(sweep, rows: list[harness.Row], csv_name: str) -> str:
     return body
 
 
-def committed_gpu_sections(swept: list, out: Path) -> list[str]:
-    """Sections for the committed GPU results (``results/<gpu>.csv``) of each (package, sweep)
-    in ``swept``, marked as measured elsewhere: a CPU-only run's report shows them after its
-    own rows."""
-    import llmsys.bench_harness as harness
-
-    sections = []
-    for package, sweep in swept:
+def committed_gpu_links(swept: list, out: Path) -> str:
+    """A section linking the committed GPU results (``results/<gpu>.csv``, its plot, and the
+    composed ``reports/<gpu>/REPORT.md``) of each (package, sweep) in ``swept``: a CPU-only
+    run's report points to them instead of copying thousands of lines."""
+    lines, gpus = [], set()
+    for package, _ in swept:
         results_dir = package.path / "benchmarks" / "results"
+        links = []
         for path in sorted(results_dir.glob("*.csv")):
-            if path.stem == "cpu" or "-" in path.stem:  # h100.csv, not h100-profile-llmsys.csv
+            if not re.fullmatch(r"[a-z]+\d+", path.stem):  # h100.csv, not h100-llama.csv
                 continue
-            rows = harness.read_rows(path)
-            gpus = ", ".join(sorted({r.gpu for r in rows if r.gpu}))
-            relative = os.path.relpath(path, out)
+            gpus.add(path.stem)
+            link = f"[`{path.stem}.csv`]({os.path.relpath(path, out)})"
             plot = path.with_suffix(".png")
-            picture = (
-                f"\n![{package.name}]({os.path.relpath(plot, out)})\n" if plot.exists() else ""
-            )
-            sections.append(
-                f"## {package.name}: committed {path.stem} results\n\n"
-                f"> Measured on {gpus or path.stem}, not on this machine: `{relative}`.\n"
-                f"{picture}\n{section_body(sweep, rows, path.name)}\n"
-            )
-    return sections
+            if plot.exists():
+                link += f" ([plot]({os.path.relpath(plot, out)}))"
+            links.append(link)
+        readme = package.path / "README.md"
+        if links:
+            table = f"[README results]({os.path.relpath(readme, out)}#results)"
+            lines.append(f"- {package.name}: {', '.join(links)}; {table}")
+    reports = [
+        f"[`reports/{gpu}/REPORT.md`]({os.path.relpath(ROOT / 'reports' / gpu / 'REPORT.md', out)})"
+        for gpu in sorted(gpus)
+        if (ROOT / "reports" / gpu / "REPORT.md").exists()
+    ]
+    if not lines:
+        return ""
+    return (
+        "## Committed GPU results (measured elsewhere, not on this machine)\n\n"
+        + (f"Composed reports: {', '.join(reports)}.\n\n" if reports else "")
+        + "\n".join(lines)
+        + "\n"
+    )
+
+
+def _flush() -> None:
+    for stream in {sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__}:
+        if stream is not None:
+            stream.flush()
+
+
+@contextlib.contextmanager
+def output_to(path: Path):
+    """Send whatever is written to stdout and stderr meanwhile (by Python, by C++ such as
+    torch's ``USDT`` profiler lines, or by child processes) to ``path`` instead."""
+    _flush()
+    saved = os.dup(1), os.dup(2)
+    with path.open("ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            _flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
 
 
 def merge_into_committed(rows: list, path: Path) -> Path:
@@ -164,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     packages = select(args.package)
     sections, skipped, swept, timings = [], [], [], []
     started = time.perf_counter()
-    with tqdm(total=len(packages), desc="packages", unit="pkg") as bar:
+    # The progress bars and one line per package go to the terminal; each sweep's own output
+    # (profiler tables, torch's USDT lines, worker processes) to <package>.log beside the report.
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)
+    with tqdm(total=len(packages), desc="packages", unit="pkg", file=terminal) as bar:
         for package in packages:
             bar.set_postfix_str(package.name)
             sweep = load_sweep(package.path)
@@ -181,7 +220,14 @@ def main(argv: list[str] | None = None) -> int:
                 rows = [harness.Row.from_dict(r) for r in harness.read_csv(committed)]
             else:
                 part_started = time.perf_counter()
-                with tqdm(desc=f"  {package.name}", unit="case", leave=False) as inner:
+                log = out / f"{package.name}.log"
+                log.unlink(missing_ok=True)
+                with (
+                    tqdm(
+                        desc=f"  {package.name}", unit="case", leave=False, file=terminal
+                    ) as inner,
+                    output_to(log),
+                ):
                     quick = args.quick or device == "cpu"
                     extra = {"full": True} if args.full and _takes_full(sweep) else {}
                     rows = sweep.run(device, quick=quick, progress=inner.update, **extra)
@@ -189,11 +235,12 @@ def main(argv: list[str] | None = None) -> int:
                 timings.append((package.name, part))
                 tqdm.write(
                     f"{package.name}: {part:.0f} s "
-                    f"(main job so far {time.perf_counter() - started:.0f} s)"
+                    f"(main job so far {time.perf_counter() - started:.0f} s; output: {log})",
+                    file=terminal,
                 )
                 if device == "cuda" and rows:
                     committed = package.path / "benchmarks" / "results" / f"{slug}.csv"
-                    tqdm.write(f"  updated {merge_into_committed(rows, committed)}")
+                    tqdm.write(f"  updated {merge_into_committed(rows, committed)}", file=terminal)
             if args.from_results:  # link the committed files instead of copying them
                 csv_path, png = committed, committed.with_suffix(".png")
             else:
@@ -208,12 +255,19 @@ def main(argv: list[str] | None = None) -> int:
             skipped += [f"{package.name}: {note}" for note in notes]
             swept.append((package, sweep))
             table = section_body(sweep, rows, csv_name)
+            log_link = (
+                ""
+                if args.from_results
+                else f"; its output: [`{package.name}.log`]({package.name}.log)"
+            )
             sections.append(
-                f"## {package.name}\n\nCSV: [`{csv_name}`]({csv_name})\n{picture}\n{table}\n"
+                f"## {package.name}\n\nCSV: [`{csv_name}`]({csv_name}){log_link}\n"
+                f"{picture}\n{table}\n"
             )
             bar.update()
     if device == "cpu" and not args.from_results:
-        sections += committed_gpu_sections(swept, out)
+        links = committed_gpu_links(swept, out)
+        sections += [links] if links else []
     elapsed = time.perf_counter() - started
     measured_on = rows_device = harness.device_name(device)
     if args.from_results:
@@ -222,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"# llmsys benchmark report\n\nDevice: {measured_on} | "
         f"composed with torch {torch.__version__} | {harness.timestamp()} | {elapsed:.0f} s\n\n"
-        "Times are medians (p50); `vs baseline` is the baseline provider's time over this one's "
-        "(higher is faster); the roofline is the measured copy bandwidth for memory-bound kernels "
+        "Times are medians (p50); `time / baseline` is this row's time over the baseline "
+        "provider's (lower is faster), as in the plots and every README; the roofline is the "
+        "measured copy bandwidth for memory-bound kernels "
         "and the measured matmul rate for compute-bound ones, except in the profiling package, "
         "whose `of roofline` is MFU or attention TFLOP/s over the GPU's datasheet peak (each "
         "row's config names it).\n"
@@ -232,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         header += (
             "\n> CPU-only machine: the Triton kernels ran under the interpreter at tiny sizes. "
             "These rows show that every package's benchmark runs; they say nothing about speed. "
-            "The GPU results committed in the repository follow them, each marked as such.\n"
+            "The GPU results committed in the repository are linked at the end.\n"
         )
     skipped_text = "\n## Skipped here\n\n" + "\n".join(f"- {s}" for s in skipped) + "\n"
     report = out / "REPORT.md"

@@ -2,9 +2,11 @@
 
 A README holds ``<!-- results:NAME -->`` ... ``<!-- /results:NAME -->``; ``TABLES[NAME]`` says
 which CSV and which rows it shows. Package tables pivot providers into columns: each provider's
-median time and, in brackets, that time over the baseline's (the first provider; lower is
-faster). The root README's table (``results:root``) picks one or two numbers per package from
-the same CSVs, so a claim has one value. Each table starts with the GPU, the date of the run and
+median time and, in brackets, that time over the baseline's (the first provider). Every ratio
+of times reads one way, this time over the baseline's (lower is faster), and every column that
+holds a ratio says so in its header (``tools/tests/test_ratio_direction.py``). The root README's
+table (``results:root``) picks one or two numbers per package from the same CSVs, so a claim has
+one value. Each table starts with the GPU, the date of the run and
 the command that made it.
 """
 
@@ -59,7 +61,7 @@ class Table:
     where: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (field, allowed values)
     ours: str = "ours"  # the provider whose throughput and roofline fraction are shown
     command: str = ""  # default: the main job for this package
-    speedup: bool = False  # add ours' speed-up as the CSV gives it (its own baseline rule)
+    speedup: bool = False  # add ours' time over the CSV's own baseline (1 / its speed-up)
 
     def rows(self, root: Path) -> list[dict]:
         allowed = dict(self.where)
@@ -94,12 +96,21 @@ def provenance(rows: list[dict], command: str, csv_link: str, baseline: str) -> 
     gpus = ", ".join(sorted({r["gpu"] for r in rows if r["gpu"]})) or "unknown GPU"
     days = sorted({r["timestamp"][:10] for r in rows if r["timestamp"]})
     when = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "undated"
-    versions = ", ".join(sorted({r["version"] for r in rows if r["version"]}))
     return (
-        f"{gpus}, {when}, versions {versions or '?'}; made by `{command}` "
+        f"{gpus}, {when}, {_versions(rows)}; made by `{command}` "
         f"([CSV]({csv_link})); medians, time over `{baseline}` "
         "in brackets where a baseline applies (lower is faster)."
     )
+
+
+def _versions(rows: list[dict]) -> str:
+    versions = ", ".join(sorted({r["version"] for r in rows if r["version"]}))
+    return f"versions {versions}" if versions else "package version not recorded"
+
+
+def ratio_header(name: str, baseline: str) -> str:
+    """A provider column holding its time and, in brackets, its time over the baseline's."""
+    return name if name == baseline else f"{name} (time / {baseline}, lower is faster)"
 
 
 def package_table(table: Table, root: Path) -> str:
@@ -108,8 +119,11 @@ def package_table(table: Table, root: Path) -> str:
     for r in rows:
         by_case.setdefault((r["kernel"], r["mode"], r["x"], r["dtype"]), {})[r["provider"]] = r
     base = table.providers[0]
-    head = ["kernel", "mode", "case", "dtype", *table.providers, f"{table.ours} throughput"]
-    head += [f"{table.ours} speed-up (CSV)"] if table.speedup else []
+    head = ["kernel", "mode", "case", "dtype"]
+    head += [ratio_header(name, base) for name in table.providers]
+    head += [f"{table.ours} throughput"]
+    if table.speedup:  # serve's rule: fp16's fastest mode of the case (generate: the same mode)
+        head += [f"{table.ours} time / {base}'s fastest mode, lower is faster"]
     lines = ["| " + " | ".join(head) + " |", "|---|---|---|---|" + "---:|" * (len(head) - 4)]
     for (kernel, mode, x, dtype), providers in by_case.items():
         baseline = providers.get(base)
@@ -139,7 +153,7 @@ def package_table(table: Table, root: Path) -> str:
         extra = []
         if table.speedup:
             value = _float(ours["speedup_vs_baseline"]) if ours else None
-            extra.append(f"{value:.2f}x" if value else "")
+            extra.append(f"{1 / value:.2f}x" if value else "")
         lines.append("| " + " | ".join([kernel, mode, x, dtype, *cells, rate, *extra]) + " |")
     command = table.command or f"{MAIN_JOB} --package {table.package}"
     link = f"benchmarks/results/{table.csv}"
@@ -478,7 +492,8 @@ def host_cost_table(root: Path) -> str:
         if r["kind"] == "host"
     }
     lines = [
-        "| call | ours | instead | ours / instead | target | without native plans |",
+        "| call | ours | instead | ours / instead, lower is faster | target, lower is faster "
+        "| without native plans (ours / instead, lower is faster) |",
         "|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:

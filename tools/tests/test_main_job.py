@@ -8,6 +8,8 @@ main job at import, every worker ran every sweep again on the GPU and the pool b
 import ast
 import multiprocessing
 import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,3 +93,32 @@ def test_every_sweep_loads_as_the_main_job_loads_it(package):
 
     sweep = load_sweep(ROOT / "packages" / package)
     assert callable(sweep.run)
+
+
+def test_a_cpu_report_links_the_committed_gpu_results_instead_of_copying_them(tmp_path):
+    from llmsys_dev.main_job import committed_gpu_links, load_sweep
+    from llmsys_dev.workspace import discover
+
+    package = discover()["kernels-moe"]
+    text = committed_gpu_links([(package, load_sweep(package.path))], tmp_path)
+    assert "[`h100.csv`](" in text and "reports/h100/REPORT.md" in text
+    assert not any(line.startswith("|") for line in text.splitlines())  # no table copied
+    for target in re.findall(r"\]\(([^)#]+)", text):
+        assert (tmp_path / target).resolve().exists(), target
+
+
+def test_a_sweeps_output_goes_to_its_log_from_python_cpp_and_children(tmp_path, capfd):
+    from llmsys_dev.main_job import output_to
+
+    log = tmp_path / "sweep.log"
+    with output_to(log):
+        print("from python", file=sys.__stdout__)  # pytest's capture replaces sys.stdout
+        os.write(2, b"USDT: from the C++ side\n")
+        subprocess.run([sys.executable, "-c", "print('from a worker')"], check=True)
+    print("after")
+    assert log.read_text().splitlines() == [
+        "from python",
+        "USDT: from the C++ side",
+        "from a worker",
+    ]
+    assert capfd.readouterr().out == "after\n"

@@ -102,14 +102,14 @@ def report_markdown(rows: list[results.Row]) -> str:
         parts.append("### All-reduce (float32; throughput is bus bandwidth)\n\n"
                      + results.markdown_table(reduce))  # fmt: skip
     if steps:
-        parts.append("### Training step per strategy (`vs baseline`: torch DDP's time over this "
-                     "one's; the config column has exposed and total communication)\n\n"
+        parts.append("### Training step per strategy (`time / baseline`: this one's time over "
+                     "torch DDP's; the config column has exposed and total communication)\n\n"
                      + results.markdown_table(steps))  # fmt: skip
     if sharded:
         notes = "\n".join(f"| {r.x} | {r.mode} | {r.provider} | {r.config} |" for r in sharded)
-        parts.append("### Sharded training: DDP, ZeRO-1, FSDP and torch FSDP2 (`vs baseline`: "
-                     "one GPU (on a CPU: process) alone's time over this one's; the notes give "
-                     "step times over another's)\n\n" + results.markdown_table(sharded)
+        parts.append("### Sharded training: DDP, ZeRO-1, FSDP and torch FSDP2 (`time / baseline`: "
+                     "this one's time over one GPU (on a CPU: process) alone's; the notes give "
+                     "step times over another's too)\n\n" + results.markdown_table(sharded)
                      + "\n\n| case | mode | provider | predicted peak, ratios, communication |\n"
                      "|---|---|---|---|\n" + notes)  # fmt: skip
     return "\n\n".join(parts)

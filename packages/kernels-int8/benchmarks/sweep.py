@@ -48,8 +48,8 @@ def gpu_time_ms(fn, device: str) -> tuple[float, float, float]:
 def skipped(device: str) -> list[str]:
     """What this sweep leaves out on ``device``, and why."""
     notes = [
-        "torchao's int8 dynamic-activation int8-weight linear: torchao is not installed on the "
-        "GPU host (no network there) and its wheel is not carried",
+        "torchao's int8 dynamic-activation int8-weight linear: not in this sweep "
+        "(`llmsys-bench serve` compares it where torchao is installed)",
     ]
     if device != "cuda":
         notes.append(

@@ -151,6 +151,17 @@ def _spread(value: float) -> str:
     return f"{round(value, 1 - exponent):.{max(1 - exponent, 0)}f}"
 
 
+# Every ratio of times in a table reads one way: this row's time over the baseline's.
+TIME_RATIO_HEADER = "time / baseline, lower is faster"
+
+
+def _time_ratio(speedup: float | None) -> str:
+    """The row's time over the baseline's, from the CSV's ``speedup_vs_baseline`` (its inverse)."""
+    if not speedup or math.isnan(speedup):
+        return ""
+    return f"{1 / speedup:.2f}x"
+
+
 def _timed(row: Row) -> bool:
     return row.p50 is not None and not math.isnan(row.p50)
 
@@ -167,7 +178,8 @@ def markdown_table(rows: list[Row]) -> str:
     ]
     in_mib = bool(memory) and max(memory) < 1
     head = (
-        "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline | vs baseline |"
+        "| kernel | mode | dtype | case | provider | p50 | throughput | of roofline "
+        f"| {TIME_RATIO_HEADER} |"
     )
     rule = "|---|---|---|---|---|---:|---:|---:|---:|"
     lines = [
@@ -182,7 +194,7 @@ def markdown_table(rows: list[Row]) -> str:
         line = (
             f"| {r.kernel} | {r.mode} | {r.dtype} | {r.x} | {r.provider} | {p50 or r.config} | "
             f"{throughput} | {_number(r.roofline_fraction, '.0%')} | "
-            f"{_number(r.speedup_vs_baseline, '.2f') + ('x' if r.speedup_vs_baseline else '')} |"
+            f"{_time_ratio(r.speedup_vs_baseline)} |"
         )
         if memory:
             mib = None if r.memory_gib is None else r.memory_gib * 1024
