@@ -81,11 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--size",
+        default=argparse.SUPPRESS,  # filled by fill_device_defaults; no "(default: None)"
         choices=list(SIZES),
         help="model size (default: xl on CUDA, tiny on the CPU, a smoke run)",
     )
     parser.add_argument(
         "--context-length",
+        default=argparse.SUPPRESS,
         type=int,
         help="tokens per sequence (default: 512 on CUDA, 64 on the CPU)",
     )
@@ -117,9 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def fill_device_defaults(args: argparse.Namespace, on_cuda: bool) -> argparse.Namespace:
     """The model size and context the user left out: the XL model at 512 on CUDA, the tiny one
     at 64 on the CPU (the XL model takes minutes and 8 GB per rank to build there)."""
-    if args.size is None:
+    if getattr(args, "size", None) is None:
         args.size = "xl" if on_cuda else "tiny"
-    if args.context_length is None:
+    if getattr(args, "context_length", None) is None:
         args.context_length = 512 if on_cuda else 64
     return args
 
