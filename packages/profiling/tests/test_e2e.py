@@ -64,7 +64,7 @@ def test_one_slow_step_moves_no_derived_number(tmp_path, monkeypatch, capsys):
     assert eager.throughput == pytest.approx(2 * 16 / 10e-3)
     assert compiled.speedup_vs_baseline == pytest.approx(10.0 / 5.0)
     out = capsys.readouterr().out
-    assert "| 10 (10-108) ms | 3,200 tok/s |" in out and "±" not in out
+    assert "| 10 ms (p20-p80 10-108) | 3,200 tok/s |" in out and "±" not in out
 
 
 def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, oom_at_context_16):
