@@ -165,15 +165,21 @@ def test_plain_progress_prints_a_line_per_step(capsys):
     assert capsys.readouterr().out.splitlines() == ["sweep: 1/2", "sweep: 1/2 case b"]
 
 
-def test_markdown_table_prints_the_spread_without_scientific_notation():
+def test_markdown_table_prints_the_quantile_range_without_scientific_notation():
     import dataclasses
 
     base = harness.row("e2e/step", "sdpa+eager", "train", "tiny", torch.float32, (700, 732, 760))
-    for std, shown in [(130.4, "732 ± 130 ms"), (1.3, "732 ± 1.3 ms"), (0.0123, "732 ± 0.012 ms"),
-                       (12345.0, "732 ± 12000 ms"), (0.0, "732 ± 0 ms")]:  # fmt: skip
-        table = harness.markdown_table([dataclasses.replace(base, std=std)])
-        assert shown in table, (std, table)
+    cases = [((700, 732, 760), "732 ms (p20-p80 700-760)"),
+             ((1.25, 1.3, 1.5), "1.3 ms (p20-p80 1.25-1.5)"),
+             ((0.00001234, 0.0123, 0.5), "0.0123 ms (p20-p80 0.00001234-0.5)"),
+             ((12000.0, 12345.0, 13000.0), "12345 ms (p20-p80 12000-13000)")]  # fmt: skip
+    for (p20, p50, p80), shown in cases:
+        row = dataclasses.replace(base, p20=p20, p50=p50, p80=p80, std=1e9)  # std is not shown
+        table = harness.markdown_table([row])
+        assert shown in table, table
+        assert "±" not in table
         assert "e+" not in table and "e-" not in table
+    assert "p20-p80" not in harness.markdown_table([base])  # no spread reported, no range
 
 
 def test_markdown_table_shows_small_memory_in_mib_and_large_in_gib():

@@ -202,8 +202,19 @@ def test_a_second_call_replaces_nothing_and_parts_can_be_left_out():
                                   "model.layers.1.post_attention_layernorm",
                                   "model.norm"]  # fmt: skip
     assert model.config._attn_implementation == "sdpa"
-    again = apply_llmsys(model, attention=False, loss=False)
+    with pytest.warns(UserWarning, match="nothing left to replace: `model` .* already rewritten"):
+        again = apply_llmsys(model, attention=False, loss=False)
     assert not any(again.values())
+
+
+def test_a_float64_model_is_refused_at_the_call_before_any_change():
+    model = build("llama").double()
+    with pytest.raises(TypeError, match=r"`model` must hold float16, bfloat16 or float32 .*"
+                                        r"got torch\.float64"):  # fmt: skip
+        apply_llmsys(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert model.config._attn_implementation == "sdpa"
+    assert all(p.dtype == torch.float64 for p in model.parameters())
 
 
 def test_refusals_name_the_problem_and_change_nothing():

@@ -1,6 +1,7 @@
 """generate(): greedy tokens over a static cache, against transformers' own generate."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -63,6 +64,26 @@ def test_a_model_with_llmsys_kernels_generates_what_the_stock_model_does():
         generate(ours, ids, 5)
     ours.set_attn_implementation("sdpa")
     assert torch.equal(generate(ours, ids, 5), greedy(stock, ids, 5))
+
+
+@pytest.mark.parametrize("rewritten", [False, True], ids=["stock", "apply_llmsys"])
+def test_the_cache_is_passed_without_a_deprecated_keyword(rewritten):
+    """transformers 5.2x deprecates ``past_key_values=`` (removed in 5.40); generate passes the
+    cache under the keyword the model's class takes, also after apply_llmsys rebinds forward."""
+    model = build("llama").eval()
+    if rewritten:
+        apply_llmsys(model)
+        model.set_attn_implementation("sdpa")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate(model, prompt(2, 4), 3)
+    deprecations = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, (FutureWarning, DeprecationWarning))
+        and "past_key_values" in str(w.message)
+    ]
+    assert deprecations == []
 
 
 def test_bad_arguments_are_named():

@@ -21,7 +21,7 @@ def test_e2e_writes_a_step_row_and_a_row_per_phase(tmp_path, capsys):
     }
     for row in steps:
         assert row.p50 > 0 and row.mean > 0 and row.std >= 0
-        assert row.throughput == pytest.approx(2 * 16 / (row.mean / 1e3))  # tokens/s
+        assert row.throughput == pytest.approx(2 * 16 / (row.p50 / 1e3))  # tokens/s, median step
         settings = row.config.split(";")[0]
         phases = [
             r
@@ -42,8 +42,29 @@ def test_presets_pick_their_parts_and_compare_with_the_first(tmp_path):
     steps = [r for r in results.read_rows(tmp_path / "e2e.csv") if r.kernel == "transformer_lm"]
     assert [r.provider for r in steps] == ["eager", "compiled"]
     assert steps[0].speedup_vs_baseline == 1.0
-    assert steps[1].speedup_vs_baseline == pytest.approx(steps[0].mean / steps[1].mean)
+    assert steps[1].speedup_vs_baseline == pytest.approx(steps[0].p50 / steps[1].p50)
     assert "compile=True" in steps[1].config and "compile=False" in steps[0].config
+
+
+def test_one_slow_step_moves_no_derived_number(tmp_path, monkeypatch, capsys):
+    """Tokens/s and the speed-up come from the median step, as the time shown beside them; the
+    spread shown is the p20-p80 range."""
+    step_ms = {"eager": iter([10.0, 10.0, 500.0, 10.0, 10.0]), "compiled": iter([5.0] * 5)}
+
+    def step(self):
+        return {"forward": next(step_ms["compiled" if self.variant.compile else "eager"])}
+
+    monkeypatch.setattr(e2e.Runner, "step", step)
+    argv = ["e2e", *TINY_ARGS, "--preset", "eager", "compiled", "--mode", "forward"]
+    cli.main([*argv, "--compile-mode", "default", "--steps", "5", "--warmup", "0",
+              "--out", str(tmp_path)])  # fmt: skip
+    steps = [r for r in results.read_rows(tmp_path / "e2e.csv") if r.kernel == "transformer_lm"]
+    eager, compiled = steps
+    assert eager.p50 == 10.0 and eager.mean == pytest.approx(108.0)
+    assert eager.throughput == pytest.approx(2 * 16 / 10e-3)
+    assert compiled.speedup_vs_baseline == pytest.approx(10.0 / 5.0)
+    out = capsys.readouterr().out
+    assert "| 10 ms (p20-p80 10-108) | 3,200 tok/s |" in out and "±" not in out
 
 
 def test_out_of_memory_is_recorded_and_the_sweep_goes_on(tmp_path, oom_at_context_16):

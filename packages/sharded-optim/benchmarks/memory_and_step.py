@@ -6,12 +6,13 @@ Transformer LM with DDP.
     torchrun --nproc-per-node 2 packages/sharded-optim/benchmarks/memory_and_step.py \\
         --size tiny --context-length 64 --batch-size 2 --steps 3 --warmup 1 --out /tmp/zero1
 
-The default is the XL model (1.998B parameters; float32 weights, bf16 autocast), context 512,
-batch 4 per rank, AdamW (lr 1e-4, betas (0.9, 0.95), weight decay 0.1; fused on CUDA) and one rank
-per GPU over NCCL. Without CUDA it runs on the CPU over gloo (the tiny model, as a smoke test: its
-numbers say nothing). All variants synchronize gradients with torch's DistributedDataParallel
-(``gradient_as_bucket_view=True``, so the gradients are DDP's buckets and not a second copy), so
-only the optimizer differs.
+The default on CUDA is the XL model (1.998B parameters; float32 weights, bf16 autocast), context
+512, batch 4 per rank, AdamW (lr 1e-4, betas (0.9, 0.95), weight decay 0.1; fused on CUDA) and
+one rank per GPU over NCCL. Without CUDA it runs on the CPU over gloo, by default the tiny model at
+context 64, as a smoke test (its numbers say nothing). Rank 0 prints a line as each variant
+builds its model, warms up and times its steps. All variants synchronize gradients with torch's
+DistributedDataParallel (``gradient_as_bucket_view=True``, so the gradients are DDP's buckets and
+not a second copy), so only the optimizer differs.
 
 For each variant, on each rank:
 
@@ -79,9 +80,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="folder for <gpu>.csv and .png (each run overwrites them)",
     )
     parser.add_argument(
-        "--size", default="xl", choices=list(SIZES), help="model size (tiny for a CPU smoke run)"
+        "--size",
+        default=argparse.SUPPRESS,  # filled by fill_device_defaults; no "(default: None)"
+        choices=list(SIZES),
+        help="model size (default: xl on CUDA, tiny on the CPU, a smoke run)",
     )
-    parser.add_argument("--context-length", type=int, default=512, help="tokens per sequence")
+    parser.add_argument(
+        "--context-length",
+        default=argparse.SUPPRESS,
+        type=int,
+        help="tokens per sequence (default: 512 on CUDA, 64 on the CPU)",
+    )
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
     parser.add_argument(
         "--dtype",
@@ -105,6 +114,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         "GPU (its step times then measure gloo through host memory, not NCCL)",
     )
     return parser.parse_args(argv)
+
+
+def fill_device_defaults(args: argparse.Namespace, on_cuda: bool) -> argparse.Namespace:
+    """The model size and context the user left out: the XL model at 512 on CUDA, the tiny one
+    at 64 on the CPU (the XL model takes minutes and 8 GB per rank to build there)."""
+    if getattr(args, "size", None) is None:
+        args.size = "xl" if on_cuda else "tiny"
+    if getattr(args, "context_length", None) is None:
+        args.context_length = 512 if on_cuda else 64
+    return args
+
+
+def say(message: str) -> None:
+    """A progress line, from rank 0 only."""
+    if dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 # ---- one variant ----------------------------------------------------------------------------
@@ -178,6 +203,7 @@ def measure(variant: str, args, device: torch.device) -> dict:
     left_over = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     reset_peak(device)
     config = ModelConfig.named(args.size, context_length=args.context_length)
+    say(f"{variant}: building the {args.size} model (context {args.context_length}) on {device}")
     model = TransformerLM(config, device=device)  # float32 weights
     ddp = DistributedDataParallel(
         model,
@@ -193,6 +219,7 @@ def measure(variant: str, args, device: torch.device) -> dict:
             logits = ddp(tokens)  # (B, T, vocab)
         lm_loss(logits, targets).backward()
 
+    say(f"{variant}: {args.warmup} warm-up step(s), then one step measuring memory")
     for _ in range(args.warmup):  # the first step also allocates the optimizer state
         forward_backward()
         optimizer.step()
@@ -205,6 +232,7 @@ def measure(variant: str, args, device: torch.device) -> dict:
     memory["step"] = breakdown(model, optimizer, device, peak_bytes(device))
     optimizer.zero_grad()
 
+    say(f"{variant}: timing {args.steps} step(s)")
     train_ms, step_ms = [], []
     for _ in range(args.steps):
         synchronize(device)
@@ -457,6 +485,7 @@ def plot(rows: list, path: Path) -> Path:
 def main(argv=None) -> None:
     args = parse_args(argv)
     on_cuda = torch.cuda.is_available()
+    fill_device_defaults(args, on_cuda)
     if on_cuda:
         torch.cuda.set_device(0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if on_cuda and not args.one_gpu else "gloo")

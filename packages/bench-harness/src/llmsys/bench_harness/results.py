@@ -166,9 +166,20 @@ def _timed(row: Row) -> bool:
     return row.p50 is not None and not math.isnan(row.p50)
 
 
+def _time(value: float) -> str:
+    """Four significant digits, never in scientific notation: ``12345``, not ``1.234e+04``."""
+    short = f"{value:.4g}"
+    if "e" not in short or not math.isfinite(value):
+        return short
+    exponent = math.floor(math.log10(abs(value)))
+    return f"{value:.{max(3 - exponent, 0)}f}"
+
+
 def markdown_table(rows: list[Row]) -> str:
-    """One line per row; a ``±std`` after p50 and a memory column where rows carry them (in MiB
-    when every value is under 1 GiB, so small models do not all read 0.01-0.05 GiB). Rows with
+    """One line per row; the p20-p80 range after p50 where rows report a spread (``std``: the
+    end-to-end runs, whose derived numbers all come from p50), and a memory column where rows
+    carry it (in MiB when every value is under 1 GiB, so small models do not all read
+    0.01-0.05 GiB). Rows with
     no time at all (values such as a sum, in ``throughput``) get ``value`` and ``config`` columns
     instead, the value at 7 significant digits."""
     if rows and not any(_timed(r) for r in rows):
@@ -189,7 +200,7 @@ def markdown_table(rows: list[Row]) -> str:
     for r in rows:
         p50 = f"{r.p50:.4g} {r.unit}" if _timed(r) else ""
         if r.std is not None and p50:
-            p50 = f"{r.p50:.4g} ± {_spread(r.std)} {r.unit}"
+            p50 = f"{_time(r.p50)} {r.unit} (p20-p80 {_time(r.p20)}-{_time(r.p80)})"
         throughput = f"{_readable(r.throughput)} {r.throughput_unit}" if r.throughput else ""
         line = (
             f"| {r.kernel} | {r.mode} | {r.dtype} | {r.x} | {r.provider} | {p50 or r.config} | "

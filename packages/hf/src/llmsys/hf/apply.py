@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from types import MethodType
 
+import torch
 from torch import nn
 
 from . import forwards
@@ -15,6 +17,7 @@ from .mlp import SwiGLUGatedMLP, patch_gated_mlps
 logger = logging.getLogger(__name__)
 
 PARTS = ("attention", "mlp", "rms_norm", "rotary", "loss")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the fused kernels' dtypes
 
 
 def _patch(module: nn.Module, forward) -> bool:
@@ -52,10 +55,12 @@ def apply_llmsys(
 
     Returns:
         What was replaced: for each part, the names of the modules it replaced (also logged at
-        INFO by the ``llmsys.hf.apply`` logger). Calling it again replaces nothing more.
+        INFO by the ``llmsys.hf.apply`` logger). Calling it again replaces nothing more, and
+        warns (``UserWarning``) that the model was already rewritten.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``, or a part's switch is not a bool.
+        TypeError: ``model`` is not an ``nn.Module``, its floating-point parameters are not
+            float16, bfloat16 or float32 (float64, say), or a part's switch is not a bool.
         ValueError: the model has no decoder layer of the three families, or a part does not fit
             it (an MLP activation other than SiLU, partial rotary, no causal-LM head for
             ``loss``), or the model holds ``llmsys.kernels_int8`` modules (``quantize_model``,
@@ -92,6 +97,15 @@ def apply_llmsys(
             "apply_llmsys: `model` is quantized already (llmsys.kernels_int8 modules, e.g. "
             f"{quantized[0]!r}); the training kernels need its float layers: call apply_llmsys "
             "on the float model (quantize_model after it falls back to a plain int8 swap)"
+        )
+    found = sorted(
+        {str(p.dtype) for p in model.parameters() if p.is_floating_point()}
+        - {str(dtype) for dtype in DTYPES}
+    )
+    if found:
+        raise TypeError(
+            "apply_llmsys: `model` must hold float16, bfloat16 or float32 parameters (the "
+            f"kernels' dtypes), got {', '.join(found)}; cast it first, e.g. model.float()"
         )
     config = layers[0][1].self_attn.config
     if rotary and not forwards.full_width_rotary(config):
@@ -131,6 +145,12 @@ def apply_llmsys(
         report["loss"] = [
             n or type(m).__name__ for n, m in heads if _patch(m, forwards.causal_lm_forward)
         ]
+    if any(switches.values()) and not any(report.values()):
+        warnings.warn(
+            f"apply_llmsys: nothing left to replace: `model` ({type(model).__name__}) was "
+            "already rewritten by apply_llmsys, so every part asked for is in place",
+            stacklevel=2,
+        )
     logger.info(
         "apply_llmsys: %s",
         "; ".join(f"{part}: {len(names)} replaced" for part, names in report.items()),

@@ -2,10 +2,11 @@
 
 Each case builds a fresh model with random weights, runs ``--warmup`` untimed steps, then
 ``--steps`` timed ones. The device is synchronized after each phase (forward, backward,
-optimizer), so every phase's time is its own; the tables give mean and standard deviation per
-phase, tokens per second, model FLOPs utilization (MFU: matmul FLOPs of the step over the GPU's
-dense peak, named in the ``config`` column; see ``llmsys.profiling.infra.accounting``) and
-peak memory.
+optimizer), so every phase's time is its own; the tables give the median (p50) and the p20-p80
+range per phase, and tokens per second, model FLOPs utilization (MFU: matmul FLOPs of the step
+over the GPU's dense peak, named in the ``config`` column; see
+``llmsys.profiling.infra.accounting``) and speed-up over the first provider, all three from the
+median step, so one slow step moves none of them. Peak memory, too.
 ``forward`` runs under ``torch.no_grad()`` (inference); the other modes keep the graph.
 Sizes, contexts, precisions, presets and warm-up counts sweep (several values each); a case that
 runs out of memory is recorded as OOM and the sweep goes on. ``--warmup 0 1 2 5`` shows the
@@ -148,7 +149,8 @@ def case_rows(
     warmup_in_case=False,
 ) -> list[results.Row]:  # fmt: skip
     """A step row (tokens/s, MFU, memory) and one row per phase; ``warmup_in_case`` names the
-    warm-up count in the case column (a warm-up sweep)."""
+    warm-up count in the case column (a warm-up sweep). Tokens/s, MFU and the speed-up over
+    ``baseline_ms`` (the baseline's median step) come from the median step time."""
     gpu, stamp = results.device_name(device), results.timestamp()
     x = f"{size} ctx={context} batch={batch}" + (f" warmup={warmup}" if warmup_in_case else "")
     dtype = "bf16" if variant.int8 else variant.dtype  # int8 layers run on bf16 weights
@@ -163,27 +165,29 @@ def case_rows(
         ]  # fmt: skip
     samples = measured["samples"]
     step_ms = [sum(s.values()) for s in samples]
-    mean_ms = statistics.mean(step_ms)
-    tokens_per_s = batch * context / (mean_ms / 1e3)
+    p20, p50, p80 = results.quantiles(step_ms)
+    tokens_per_s = batch * context / (p50 / 1e3)
     flops = accounting.step_flops(measured["config"], batch, context, mode)
     on_cuda = torch.device(device).type == "cuda"
     peak, peak_name = accounting.peak_flops(
         results.device_name(device), accounting.matmul_precision(dtype)
     )
-    mfu = flops / (mean_ms / 1e3) / peak if peak and on_cuda else None
+    mfu = flops / (p50 / 1e3) / peak if peak and on_cuda else None
     memory = "" if measured["peak_gib"] is not None or not on_cuda else "; peak memory not"
     memory += " measured (CUDA graphs' private pool)" if memory else ""
     rows = [
         results.Row(
             kernel="transformer_lm",
             mode=mode,
-            **dict(zip(("p20", "p50", "p80"), results.quantiles(step_ms), strict=True)),
+            p20=p20,
+            p50=p50,
+            p80=p80,
             throughput=tokens_per_s,
             throughput_unit="tok/s",
             roofline_fraction=mfu,
-            speedup_vs_baseline=baseline_ms / mean_ms if baseline_ms else None,
+            speedup_vs_baseline=baseline_ms / p50 if baseline_ms else None,
             config=f"{settings}; MFU of {peak_name}{memory}",
-            mean=mean_ms,
+            mean=statistics.mean(step_ms),
             std=statistics.stdev(step_ms) if len(step_ms) > 1 else 0.0,
             memory_gib=measured["peak_gib"],
             **common,
@@ -229,7 +233,7 @@ def run(args) -> list[results.Row]:
         )
         key = (size, context, mode, dtype, warmup)  # the first variant of a case is the baseline
         if key not in baselines:  # None when it ran out of memory: no speed-ups then
-            baselines[key] = measured and statistics.mean(
+            baselines[key] = measured and statistics.median(
                 sum(s.values()) for s in measured["samples"]
             )
         rows += case_rows(
