@@ -77,8 +77,7 @@ def quantize_int8_perrow(
         TypeError: ``x`` is not a tensor or not float16/bfloat16/float32.
         ValueError: ``x`` is not 2-D.
     """
-    if not (isinstance(x, torch.Tensor) and x.dtype in ops.FLOAT_DTYPES and x.dim() == 2):
-        ops.check_quantize_input(x, "quantize_int8_perrow")  # named as the user called it
+    checks.tensors("quantize_int8_perrow", x=x)
     if check_finite:
         ops.check_finite_rows("quantize_int8_perrow", "x", x)
     return call_below_autograd(ops.int8_quantize_perrow, x)
@@ -104,7 +103,7 @@ def quantize_int8(
     For an ``nn.Linear`` weight (N, K), ``quantize_int8(linear.weight.t())`` gives the (K, N)
     operand ``y = x @ W.T`` needs (``Int8Linear.from_float`` does this).
     """
-    checks.tensor("quantize_int8", "weight", weight, ops.FLOAT_DTYPES)
+    checks.tensors("quantize_int8", weight=weight)
     if weight.dim() != 2:
         raise ValueError(f"quantize_int8: `weight` must be 2-D (K, N), got {tuple(weight.shape)}")
     if isinstance(axis, bool) or axis not in (0, 1, -1, -2):

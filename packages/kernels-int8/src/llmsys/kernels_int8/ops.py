@@ -56,9 +56,9 @@ def _check_tensor(op: str, name: str, t, dtypes, dim: int, shape_doc: str) -> No
         raise ValueError(f"{op}: `{name}` must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
 
 
-def check_quantize_input(x, op: str = "int8_quantize_perrow") -> None:
+def check_quantize_input(x) -> None:
     """Raise ``TypeError``/``ValueError`` naming ``x`` unless it is a 2-D float tensor."""
-    _check_tensor(op, "x", x, FLOAT_DTYPES, 2, "(M, K); reshape(-1, K) first")
+    _check_tensor("int8_quantize_perrow", "x", x, FLOAT_DTYPES, 2, "(M, K); reshape(-1, K) first")
 
 
 def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
