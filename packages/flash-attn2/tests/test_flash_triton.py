@@ -445,9 +445,8 @@ def good_args(**change):
 def test_bad_inputs_raise(change, error, match):
     args = good_args(**change)
     before = {name: t.clone() for name, t in args.items() if isinstance(t, torch.Tensor)}
-    with pytest.raises(error, match=match) as raised:
+    with pytest.raises(error, match=match):
         flash_attention(**args)
-    assert str(raised.value).startswith("flash_attention: ")  # what the user called
     assert all(torch.equal(args[name], t) for name, t in before.items() if t.device.type != "meta")
 
 

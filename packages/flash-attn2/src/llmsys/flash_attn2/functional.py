@@ -9,34 +9,24 @@ import torch
 from llmsys.triton_launch import call_below_autograd, checks, refuse_double_backward, wants_grad
 
 from . import ops
+from .flash_torch import check_causal_and_scale
 
 
 def _check_arguments(op: str, q, k, v, causal, scale, causal_name: str) -> None:
-    """Raise the errors of ``ops.check_inputs`` under ``op``, the name the user called (the op
-    below would name itself). The common call (three fitting tensors, a bool, no scale) passes
-    a cheap test; only another call pays for the full checks and their messages."""
+    """What the dispatcher would reject before the op could name the argument; the op checks
+    the rest (shapes, dtypes, devices) once, in ``ops.check_inputs``. The common call (three
+    tensors, a bool, no scale) passes a cheap test; only another call pays for the full checks
+    and their messages (about 1 us of host time a call on an H100 host)."""
     if (
         isinstance(q, torch.Tensor)
         and isinstance(k, torch.Tensor)
         and isinstance(v, torch.Tensor)
         and type(causal) is bool
         and scale is None
-        and q.dtype in ops.SUPPORTED_DTYPES
-        and k.dtype is q.dtype
-        and v.dtype is q.dtype
-        and k.device == q.device
-        and v.device == q.device
-        and q.dim() in (3, 4)
-        and k.dim() == q.dim()
-        and k.shape[0] == q.shape[0]
-        and k.shape[-1] == q.shape[-1]
-        and v.shape == k.shape
-        and (q.dim() == 3 or (k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0))
-        and 1 <= q.shape[-1] <= ops.MAX_HEAD_DIM
     ):
         return
     checks.tensors(op, q=q, k=k, v=v)
-    ops.check_inputs(op, q, k, v, causal, scale, causal_name)
+    check_causal_and_scale(op, causal, scale, causal_name)
 
 
 def _default_scale(q: torch.Tensor) -> float:
