@@ -142,15 +142,6 @@ def _readable(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
-def _spread(value: float) -> str:
-    """Two significant digits, never in scientific notation: ``130`` rather than ``1.3e+02``."""
-    short = f"{value:.2g}"
-    if "e" not in short or not math.isfinite(value):
-        return short
-    exponent = math.floor(math.log10(abs(value)))
-    return f"{round(value, 1 - exponent):.{max(1 - exponent, 0)}f}"
-
-
 # Every ratio of times in a table reads one way: this row's time over the baseline's.
 TIME_RATIO_HEADER = "time / baseline, lower is faster"
 
