@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from types import MethodType
 
 import torch
 from torch import nn
@@ -13,20 +12,12 @@ from . import forwards
 from .attention import ATTN_IMPLEMENTATION, register_flash_attention
 from .families import family_classes
 from .mlp import SwiGLUGatedMLP, patch_gated_mlps
+from .rewrite import original_class, rewrite
 
 logger = logging.getLogger(__name__)
 
 PARTS = ("attention", "mlp", "rms_norm", "rotary", "loss")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the fused kernels' dtypes
-
-
-def _patch(module: nn.Module, forward) -> bool:
-    """Bind ``forward`` to this one module; False if it has it already."""
-    bound = module.__dict__.get("forward")
-    if getattr(bound, "__func__", None) is forward:
-        return False
-    module.forward = MethodType(forward, module)
-    return True
 
 
 def apply_llmsys(
@@ -67,9 +58,10 @@ def apply_llmsys(
             ``quantize_linears``); nothing is replaced then.
         ImportError: transformers is not installed.
 
-    Each replaced forward is bound to its module instance: other models in the process keep
-    transformers' code. Generation with a KV cache works (llmsys_fa2 decodes one token at a
-    time); the model works under ``torch.compile``.
+    Each replaced forward is that module's alone (``llmsys.hf.rewrite``): other models in the
+    process keep transformers' code, and the model still pickles, deep-copies and checkpoints
+    its layers (``gradient_checkpointing_enable``) as before. Generation with a KV cache works
+    (llmsys_fa2 decodes one token at a time); the model works under ``torch.compile``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_llmsys: `model` must be an nn.Module, got {type(model).__name__}")
@@ -81,7 +73,7 @@ def apply_llmsys(
     named = list(model.named_modules())
 
     def of(part: str) -> list[tuple[str, nn.Module]]:
-        return [(n, m) for n, m in named if type(m) in classes[part]]
+        return [(n, m) for n, m in named if original_class(m) in classes[part]]
 
     layers = of("decoder_layer")
     if not layers:
@@ -131,19 +123,19 @@ def apply_llmsys(
             config._attn_implementation = register_flash_attention()
         report["attention"] = [f"{n}.self_attn" for n, _ in layers]
     if rms_norm:
-        report["rms_norm"] = [n for n, m in of("rms_norm") if _patch(m, forwards.rms_norm_forward)]
+        report["rms_norm"] = [n for n, m in of("rms_norm") if rewrite(m, forwards.rms_norm_forward)]
         norm_classes = classes["rms_norm"]
         for _, layer in layers:  # the fused add needs both of the layer's norms to be ours
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if all(type(norm) in norm_classes for norm in norms):
-                _patch(layer, forwards.float_decoder_layer_forward)
+            if all(original_class(norm) in norm_classes for norm in norms):
+                rewrite(layer, forwards.float_decoder_layer_forward)
     if rotary:
         report["rotary"] = [
-            n for n, m in of("attention") if _patch(m, forwards.rotary_attention_forward)
+            n for n, m in of("attention") if rewrite(m, forwards.rotary_attention_forward)
         ]
     if loss:
         report["loss"] = [
-            n or type(m).__name__ for n, m in heads if _patch(m, forwards.causal_lm_forward)
+            n or type(m).__name__ for n, m in heads if rewrite(m, forwards.causal_lm_forward)
         ]
     if any(switches.values()) and not any(report.values()):
         warnings.warn(

@@ -1,7 +1,7 @@
 """The forwards ``apply_llmsys`` puts on a Llama-, Mistral- or Qwen2-family model's modules.
 
-Each is bound to one module instance (``module.forward = MethodType(...)``), so other models of
-the same class in the process keep transformers' code. Each does what transformers' forward of
+Each replaces one module instance's forward (``rewrite.rewrite``), so other models of the same
+class in the process keep transformers' code. Each does what transformers' forward of
 that module does, with an llmsys kernel where one fits, and hands every case it does not cover
 to transformers' own forward of the module's class:
 
@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from llmsys.kernels_fused import causal_lm_loss, rms_norm, rotary
+
+from .rewrite import original_class
 
 
 def rms_norm_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
@@ -174,7 +176,7 @@ def causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0
     head = self.lm_head
     keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
     if labels is None or not keep_all or args or type(head) is not nn.Linear:
-        return type(self).forward(
+        return original_class(self).forward(
             self, input_ids, *args, labels=labels, logits_to_keep=logits_to_keep, **kwargs
         )
     loss_kwargs = {

@@ -18,6 +18,8 @@ from numbers import Integral
 import torch
 from torch import nn
 
+from .rewrite import original_class
+
 
 def generate(
     model: nn.Module,
@@ -100,7 +102,7 @@ def cached_forward(model: nn.Module, cache):
     cost a host sync, and a CUDA graph could not replay them). The keywords are read from the
     class's forward: a forward bound to the instance (``apply_llmsys``' loss) takes ``**kwargs``
     and hands them to it."""
-    parameters = inspect.signature(type(model).forward).parameters
+    parameters = inspect.signature(original_class(model).forward).parameters
     key = "cache" if "cache" in parameters else "past_key_values"
     with_cache_position = "cache_position" in parameters
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from types import MethodType
 
 import torch
 from torch import nn
@@ -43,6 +42,8 @@ from llmsys.kernels_int8.ops import FLOAT_DTYPES, inference_only_error
 
 from .families import PARTS, family_classes, is_silu
 from .forwards import rotary_attention
+from .mlp import SwiGLUGatedMLP
+from .rewrite import original_class, rewrite
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +212,11 @@ def fuse_linears(linears: list[nn.Linear]) -> Int8Linear:
     return fused
 
 
+def _rewritten_for_training(module: nn.Module) -> bool:
+    """Whether ``module`` is one ``apply_llmsys`` replaced or rewrote."""
+    return isinstance(module, SwiGLUGatedMLP) or type(module) is not original_class(module)
+
+
 def _plan_layer(layer: nn.Module):
     """Quantize ``layer``'s projections; returns a function that installs them (so a refusal
     raised while quantizing any layer leaves the model unchanged)."""
@@ -225,11 +231,11 @@ def _plan_layer(layer: nn.Module):
         del attn.q_proj, attn.k_proj, attn.v_proj
         attn.qkv_proj, attn.o_proj = qkv, o_proj
         attn.qkv_widths = [linear.out_features for linear in projections]  # q, k, v columns
-        attn.forward = MethodType(w8a8_attention_forward, attn)
+        rewrite(attn, w8a8_attention_forward)
         del mlp.gate_proj, mlp.up_proj
         mlp.gate_up_proj, mlp.down_proj = gate_up, down
-        mlp.forward = MethodType(w8a8_mlp_forward, mlp)
-        layer.forward = MethodType(w8a8_decoder_layer_forward, layer)
+        rewrite(mlp, w8a8_mlp_forward)
+        rewrite(layer, w8a8_decoder_layer_forward)
 
     return install
 
@@ -269,8 +275,8 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or a weight of a layer is not float16,
             bfloat16 or float32.
-        ValueError: ``model`` is already quantized (holds an ``Int8Linear``), or holds no decoder
-            layer it can rewrite; nothing is changed then.
+        ValueError: ``model`` is already quantized (holds an ``Int8Linear``) or rewritten by
+            ``apply_llmsys``, or holds no decoder layer it can rewrite; nothing is changed then.
         ImportError: transformers is not installed.
     """
     if not isinstance(model, nn.Module):
@@ -281,6 +287,13 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
         raise ValueError(
             f"quantize_model: `model` must not be quantized already, got {len(quantized)} "
             f"Int8Linear ({', '.join(quantized[:3])}{', ...' if len(quantized) > 3 else ''})"
+        )
+    trained = [name or type(m).__name__ for name, m in named if _rewritten_for_training(m)]
+    if trained:
+        raise ValueError(
+            "quantize_model: `model` must be transformers' float model, got one rewritten by "
+            f"apply_llmsys (e.g. {trained[0]!r}), whose training kernels it cannot quantize; "
+            "quantize the model as transformers builds it"
         )
     classes = family_classes()
     layers, rejected = [], []
