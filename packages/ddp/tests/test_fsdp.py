@@ -114,6 +114,17 @@ class BlocksLM(nn.Module):
         return self.head(h)
 
 
+class HeadReadOutside(BlocksLM):
+    """The output layer's weight read in the model's forward, not the layer's, as a fused loss
+    reads it (``linear_cross_entropy(h, lm_head.weight, ...)``)."""
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return h @ self.head.weight.T
+
+
 def regression_batch(generator):
     return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
 
@@ -139,6 +150,7 @@ MODELS = {  # name: (constructor, batch maker, loss)
     "tied": (TiedLM, token_batch, token_loss),
     "frozen, checkpointed": (FrozenCheckpointed, regression_batch, regression_loss),
     "blocks": (BlocksLM, token_batch, token_loss),
+    "head read outside its forward": (HeadReadOutside, token_batch, token_loss),
 }
 
 
@@ -311,28 +323,29 @@ def count_gathers(monkeypatch) -> list[int]:
 
 
 def test_a_block_is_gathered_in_one_collective(monkeypatch):
-    """Forward gathers each block's three weights at once (5 gathers: the embedding, 3 blocks,
-    the head, where it made 11, one per weight); backward gathers again only what autograd
-    saved, a block at a time."""
+    """Forward gathers each block's three weights at once (4 gathers: the embedding and the
+    head, the modules outside the list, together; then the 3 blocks; where it made 11, one per
+    weight); backward gathers again only what autograd saved, a block at a time."""
     gathered = count_gathers(monkeypatch)
     torch.manual_seed(0)
     model = FSDP(BlocksLM())
     tokens, targets = token_batch(torch.Generator().manual_seed(0))
     loss = token_loss(model(tokens), targets)
-    assert gathered == [1, 3, 3, 3, 1]
+    assert gathered == [2, 3, 3, 3]
     gathered.clear()
     loss.backward()
     model.finish_gradient_synchronization()
-    # The head, block 2's recomputation (reentrant) and block 1's (non-reentrant) gather their
-    # block whole; block 0, outside checkpointing, regathers the weights autograd saved; the
-    # embedding's backward needs no weight.
+    # The head (the embedding's backward needs no weight), block 2's recomputation (reentrant)
+    # and block 1's (non-reentrant) gather their block whole; block 0, outside checkpointing,
+    # regathers the weights autograd saved.
     assert sorted(gathered) == [1, 3, 3, 3], gathered
     assert all(p.grad is not None for p in model.parameters())
 
 
 def test_a_block_is_reduce_scattered_in_one_collective(monkeypatch):
-    """Backward reduce-scatters each block's three gradients at once, once the last arrived (5
-    collectives: the head, 3 blocks, the embedding), and training matches plain training."""
+    """Backward reduce-scatters each block's three gradients at once, once the last arrived (4
+    collectives: 3 blocks, then the head's and the embedding's together), and training matches
+    plain training."""
     from llmsys.ddp import fsdp
 
     sizes = []
@@ -350,7 +363,7 @@ def test_a_block_is_reduce_scattered_in_one_collective(monkeypatch):
     tokens, targets = token_batch(torch.Generator().manual_seed(0))
     token_loss(model(tokens), targets).backward()
     model.finish_gradient_synchronization()
-    assert sizes == [1, 3, 3, 3, 1], sizes
+    assert sizes == [3, 3, 3, 2], sizes
     token_loss(plain(tokens), targets).backward()
     for (name, p), q in zip(model.module.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad.view(-1)[: q.numel()], q.grad.view(-1), msg=name)
@@ -393,8 +406,8 @@ def test_two_blocks_per_gather_share_their_collectives(monkeypatch):
         model.zero_grad()
         token_loss(model(tokens), targets).backward()
         model.finish_gradient_synchronization()
-        assert reduced == [1, 3, 6, 1], (step, reduced)
-        assert gathered[:3] == [1, 6, 3], (step, gathered)  # the forward's
+        assert reduced == [3, 6, 2], (step, reduced)
+        assert gathered[:3] == [2, 6, 3], (step, gathered)  # the forward's
     plain.zero_grad()
     token_loss(plain(tokens), targets).backward()
     for (name, p), q in zip(model.module.named_parameters(), plain.parameters(), strict=True):

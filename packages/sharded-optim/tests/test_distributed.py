@@ -152,6 +152,7 @@ def two_ranks(tmp_path_factory):
         "scheduler": (check_scheduler_clipping_and_new_group, {}),
         "checkpoints": (check_checkpoints_across_world_sizes, checkpoints),
         "one rank failing": (check_one_rank_failing_does_not_hang, {}),
+        "differing parameters": (check_parameters_that_differ_between_ranks_are_refused, {}),
     }
     return run_in_turn(checks, world_size=2, timeout=4 * TIMEOUT)
 
@@ -298,6 +299,22 @@ def check_one_rank_failing_does_not_hang(rank: int, world_size: int) -> None:
 
 def test_a_step_failing_on_one_rank_does_not_hang_the_others(two_ranks):
     two_ranks.check("one rank failing")
+
+
+def check_parameters_that_differ_between_ranks_are_refused(rank: int, world_size: int) -> None:
+    # Each rank's own values under the same shapes, as FSDP's slices are: an owner's broadcast
+    # would overwrite the other ranks' different slices.
+    torch.manual_seed(rank)
+    layer = nn.Linear(4, 6)
+    before = [p.detach().clone() for p in layer.parameters()]
+    with pytest.raises(ValueError, match=r"replicas of the same parameters .* 2 that differ .*"
+                                         r"global index 0 \(shape \(6, 4\)\).*\(FSDP"):  # fmt: skip
+        ShardedOptimizer(layer.parameters(), torch.optim.SGD, lr=0.1)
+    assert all(torch.equal(p, q) for p, q in zip(layer.parameters(), before, strict=True))
+
+
+def test_parameters_that_differ_between_ranks_are_refused(two_ranks):
+    two_ranks.check("differing parameters")
 
 
 def check_on_gpus_with_nccl(rank: int, world_size: int) -> None:

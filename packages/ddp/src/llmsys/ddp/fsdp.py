@@ -10,7 +10,8 @@ whole and their gradients are all-reduced, as under DDP.
 A sharded parameter's ``.data`` becomes this rank's flat slice: the weight flattened, padded with
 zeros to a multiple of N and cut in N equal pieces. Weights are handled a block at a time: a
 block is an item of the innermost ``nn.ModuleList`` around them (a Transformer's layer; one
-expert of a list of experts), and a module outside every list is a block of its own.
+expert of a list of experts); the modules outside every list form one block, the whole
+model's, full from the first of them to run to the end of the model's forward.
 
     first module to run  all-gather the block's slices (or take the ones prefetched); every
                         owning module's attribute now reads its full weight, through one
@@ -31,7 +32,8 @@ pay hundreds of times. ``blocks_per_gather`` consecutive items share their colle
 and averages the replicated parameters' gradients.
 
 A sharded weight must be read inside the ``forward`` of its block (as every layer reads its own
-weights); read elsewhere it is the 1-D slice. A checkpoint that recomputes part of a block in
+weights, and a fused loss in the model's forward reads the output layer's); read elsewhere it is
+the 1-D slice. A checkpoint that recomputes part of a block in
 backward gathers the whole block.
 """
 
@@ -685,8 +687,10 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
 def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
     """(unit module, [(owner, attribute, parameter)]) for the parameters FSDP handles: the
     sharded ones and, when parameters are cast for compute, any floating one. An owner inside
-    an item of an ``nn.ModuleList`` (the innermost one) belongs to that item's unit; an owner
-    outside every list is a unit of its own."""
+    an item of an ``nn.ModuleList`` (the innermost one) belongs to that item's unit; the owners
+    outside every list (embeddings, the final norm, the output layer) form the unit of the
+    whole ``module``, full while its forward runs: a model may read them outside their own
+    forward (a fused loss reads the output layer's weight)."""
     item_of: dict[int, nn.Module | None] = {}  # id(module) -> the list item around it
 
     def visit(parent: nn.Module, item: nn.Module | None) -> None:
@@ -705,6 +709,6 @@ def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
             if p is not None and (p in shards or (replicated_cast and p.is_floating_point()))
         ]
         if attributes:
-            site = item_of.get(id(owner)) or owner
+            site = item_of.get(id(owner)) or module
             units.setdefault(id(site), (site, []))[1].extend(attributes)
     return list(units.values())

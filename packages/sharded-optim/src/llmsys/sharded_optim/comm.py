@@ -66,3 +66,25 @@ def check_same_parameters(params: Sequence[torch.Tensor], where: str) -> None:
             f"order), got different ones (a checksum per rank: {values}; this rank has "
             f"{len(params)} parameters)"
         )
+    # The same values too: each owner broadcasts its updated parameters over the others', which
+    # only keeps them right if they were replicas. FSDP's slices share shapes but not values.
+    sums = [str(v) for v in _sums(params)]
+    differs = [i for i, s in enumerate(zip(*all_gathered(sums), strict=True)) if len(set(s)) > 1]
+    if differs:
+        i = differs[0]
+        raise ValueError(
+            f"{where}: every rank must pass replicas of the same parameters (equal values), got "
+            f"{len(differs)} that differ between ranks, the first at global index {i} (shape "
+            f"{tuple(params[i].shape)}): either each rank holds its own slice of a sharded model "
+            f"(FSDP, which shards the optimizer state already: give it a plain optimizer), or the "
+            f"replicas are not synchronized yet (build {where} after wrapping the model in DDP, "
+            "which broadcasts rank 0's weights)"
+        )
+
+
+def _sums(params: Sequence[torch.Tensor]) -> list[float]:
+    """Each parameter's sum in float64: equal on every rank for replicas; one sync in all."""
+    if world_size_of_group() == 1 or not params:
+        return []
+    device = params[0].device
+    return torch.stack([p.detach().sum(dtype=torch.float64).to(device) for p in params]).tolist()
