@@ -404,6 +404,110 @@ def test_causal_lm_loss_needs_labels():
         causal_lm_loss(hidden[None], weight)
 
 
+# name -> (the arguments changed, from the good ones; the error; its message after the op's name)
+CAUSAL_LM_LOSS_BAD = {
+    "labels_length": (lambda a: {"labels": a["labels"][:, :3]}, ValueError, r"`labels` must"),
+    "labels_list": (lambda a: {"labels": [1]}, TypeError, r"`labels` must be a torch.Tensor"),
+    "shift_labels_list": (
+        lambda a: {"shift_labels": [1]},
+        TypeError,
+        r"`shift_labels` must be a torch.Tensor, got list",
+    ),
+    "shift_labels_int32": (
+        lambda a: {"shift_labels": a["labels"].int()},
+        TypeError,
+        r"`shift_labels` must have dtype in \(int64\), got torch.int32",
+    ),
+    "shift_labels_shape": (
+        lambda a: {"shift_labels": a["labels"][:1]},
+        ValueError,
+        r"`shift_labels` must have hidden_states' leading shape \(2, 5\), got \(1, 5\)",
+    ),
+    "hidden_states_list": (
+        lambda a: {"hidden_states": [1.0]},
+        TypeError,
+        r"`hidden_states` must be a torch.Tensor, got list",
+    ),
+    "lm_head_weight_list": (
+        lambda a: {"lm_head_weight": [1.0]},
+        TypeError,
+        r"`lm_head_weight` must be a torch.Tensor",
+    ),
+    "lm_head_bias_list": (
+        lambda a: {"lm_head_bias": [1.0]},
+        TypeError,
+        r"`lm_head_bias` must be a torch.Tensor",
+    ),
+    "ignore_index_huge": (
+        lambda a: {"ignore_index": 2**70},
+        ValueError,
+        r"`ignore_index` must be at most",
+    ),
+    "num_items_str": (
+        lambda a: {"num_items_in_batch": "7"},
+        TypeError,
+        r"`num_items_in_batch` must be None, a number or a tensor, got str",
+    ),
+    "num_items_bool": (
+        lambda a: {"num_items_in_batch": True},
+        TypeError,
+        r"`num_items_in_batch` must be None, a number or a tensor, got bool",
+    ),
+    "num_items_negative": (
+        lambda a: {"num_items_in_batch": -1},
+        ValueError,
+        r"`num_items_in_batch` must be positive .*, got -1",
+    ),
+    "num_items_zero": (
+        lambda a: {"num_items_in_batch": 0},
+        ValueError,
+        r"`num_items_in_batch` must be positive .*, got 0",
+    ),
+    "num_items_nan": (
+        lambda a: {"num_items_in_batch": float("nan")},
+        ValueError,
+        r"`num_items_in_batch` must be positive .*, got nan",
+    ),
+    "num_items_two_elements": (
+        lambda a: {"num_items_in_batch": torch.tensor([3, 4])},
+        ValueError,
+        r"`num_items_in_batch` must have one element, got shape \(2,\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CAUSAL_LM_LOSS_BAD)
+def test_causal_lm_loss_bad_input_names_the_argument(case, monkeypatch):
+    changes, error, match = CAUSAL_LM_LOSS_BAD[case]
+    good = {
+        "hidden_states": torch.randn(2, 5, H),
+        "lm_head_weight": torch.randn(37, H),
+        "labels": torch.randint(0, 37, (2, 5)),
+    }
+    before = {name: t.clone() for name, t in good.items()}
+
+    def forward(*args, **kwargs):
+        raise AssertionError("the forward ran before the arguments were checked")
+
+    monkeypatch.setattr(lce, "linear_cross_entropy", forward)
+    with pytest.raises(error, match=rf"causal_lm_loss: {match}"):
+        causal_lm_loss(**{**good, **changes(good)})
+    assert all(torch.equal(good[name], t) for name, t in before.items())
+
+
+@pytest.mark.parametrize("num_items", [5, 5.0, "tensor", "tensor1"])
+def test_causal_lm_loss_num_items_as_transformers_allows(num_items):
+    hidden, weight, target, _ = make_inputs()
+    labels = target[None]
+    if num_items == "tensor":
+        num_items = torch.tensor(5)
+    elif num_items == "tensor1":
+        num_items = torch.tensor([5.0])  # one element (transformers' DataParallel gives (1,))
+    loss = causal_lm_loss(hidden[None], weight, labels, num_items_in_batch=num_items)
+    expected = causal_lm_loss(hidden[None], weight, labels) * (labels[:, 1:] != -100).sum() / 5
+    torch.testing.assert_close(loss.reshape(()), expected)
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 
@@ -431,12 +535,35 @@ def bad_call(**changes):
         ({"chunk_size": 0}, ValueError, r"`chunk_size` must be at least 1, got 0"),
         ({"chunk_size": 2.0}, TypeError, r"`chunk_size` must be an int"),
         ({"ignore_index": 1.0}, TypeError, r"`ignore_index` must be an int"),
+        # weight not 2-D, with the default chunk size (which reads weight's V)
+        ({"weight": torch.randn(37, H)[0]}, ValueError, r"`weight` must have shape \(V, H\)"),
+        ({"weight": torch.tensor(1.0)}, ValueError, r"`weight` must have shape \(V, H\).*\(\)"),
+        ({"weight": torch.randn(2, 37, H)}, ValueError, r"`weight` must have shape \(V, H\)"),
+        # ints the op's schema cannot hold (int64)
+        (
+            {"ignore_index": 2**70},
+            ValueError,
+            r"`ignore_index` must be at most 2\*\*63 - 1 \(int64\)",
+        ),
+        ({"ignore_index": -(2**70)}, ValueError, r"`ignore_index` must be at least"),
+        ({"chunk_size": 2**63}, ValueError, r"`chunk_size` must be at most 2\*\*63 - 1"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
 def test_bad_input_names_the_argument(changes, error, match):
     with pytest.raises(error, match=match):
         bad_call(**changes)()
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_meta_tensors_give_a_meta_loss(requires_grad):
+    hidden, weight, target, bias = (t.to("meta") for t in make_inputs())
+    hidden.requires_grad_(requires_grad)
+    loss = linear_cross_entropy(hidden[None], weight, target[None], bias)
+    assert (loss.device.type, loss.shape, loss.dtype) == ("meta", (), torch.float32)
+    if requires_grad:
+        (grad,) = torch.autograd.grad(loss, hidden)
+        assert (grad.device.type, grad.shape) == ("meta", hidden.shape)
 
 
 def test_bad_device_names_the_argument():

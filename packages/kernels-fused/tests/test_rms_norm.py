@@ -418,6 +418,17 @@ def test_module_rejects_bad_hidden_size():
         LlamaStyleRMSNorm(0)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, "float32"], ids=str)
+def test_module_rejects_a_dtype_the_kernel_does_not_take(dtype):
+    with pytest.raises(
+        TypeError,
+        match=rf"LlamaStyleRMSNorm: `dtype` must be None or one of \(float16, bfloat16, "
+        rf"float32\), got {dtype}",
+    ):
+        LlamaStyleRMSNorm(8, dtype=dtype)
+    assert LlamaStyleRMSNorm(8, dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+
+
 def test_rmsnorm_is_the_earlier_name_of_the_module():
     assert RMSNorm is LlamaStyleRMSNorm
 

@@ -375,6 +375,22 @@ def test_matches_transformers_apply_rotary_pos_emb(cos_batch, device):
     torch.testing.assert_close(apply_rotary_pos_emb(q, k, cos, sin, position_ids=None), expected)
 
 
+def test_transformers_4_positional_position_ids_are_ignored(device):
+    # transformers 4: apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1)
+    q, k, cos, sin = make_inputs((2, 6, 2, 5, 8), torch.float32, device)
+    expected = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    position_ids = torch.arange(5, device=device)[None]
+    torch.testing.assert_close(apply_rotary_pos_emb(q, k, cos, sin, position_ids), expected)
+    torch.testing.assert_close(apply_rotary_pos_emb(q, k, cos, sin, None), expected)
+
+
+@pytest.mark.parametrize("value", ["1", 1.0, True], ids=["str", "float", "bool"])
+def test_unsqueeze_dim_not_an_int_raises_type_error(value):
+    q, k, cos, sin = make_inputs((1, 3, 3, 2, 4), torch.float32, "cpu")
+    with pytest.raises(TypeError, match=r"`unsqueeze_dim` must be an int .*, got "):
+        apply_rotary_pos_emb(q, k, cos, sin, value)
+
+
 @pytest.mark.parametrize("unsqueeze_dim", [2, -2])
 def test_unsqueeze_dim_2_takes_batch_seq_heads_dim(unsqueeze_dim, device):
     q, k, cos, sin = make_inputs((2, 6, 2, 5, 8), torch.float32, device)

@@ -214,6 +214,22 @@ def test_check_finite_must_be_a_bool():
         quantize_linears(nn.Sequential(nn.Linear(3, 4)), check_finite=1)
 
 
+@pytest.mark.parametrize("value", ["no", None, 1], ids=["str", "None", "int"])
+def test_the_public_functions_take_only_a_bool_check_finite(value):
+    x = torch.randn(4, 24)
+    q_b, b_scale = quantize_int8(torch.randn(24, 8))
+    calls = {
+        "quantize_int8_perrow": lambda: quantize_int8_perrow(x, check_finite=value),
+        "quantize_int8": lambda: quantize_int8(x.t(), check_finite=value),
+        "matmul_quantize_int8": lambda: matmul_quantize_int8(x, q_b, b_scale, check_finite=value),
+    }
+    for name, call in calls.items():
+        with pytest.raises(
+            TypeError, match=rf"{name}: `check_finite` must be a bool, got {type(value).__name__}"
+        ):
+            call()
+
+
 def test_quantize_linears_check_finite_leaves_the_model_unchanged_on_refusal():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 5))
     with torch.no_grad():

@@ -144,6 +144,80 @@ def test_gpu_token_ids_are_checked_in_eager_and_skipped_in_cuda_graphs():
         torch.testing.assert_close(out, model(tokens))
 
 
+# --- TransformerLM targets -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss", ["eager", "fused"])
+@pytest.mark.parametrize("bad", [-1, 101, -101, 10**6])
+def test_targets_outside_the_vocabulary_are_refused(bad, loss):
+    model = TransformerLM(TINY.replace(loss=loss))
+    tokens = torch.randint(0, 101, (2, 5))
+    targets = torch.randint(0, 101, (2, 5))
+    targets[0, 0] = -100  # ignored: allowed
+    targets[1, 3] = bad
+    original = targets.clone()
+    expected = (
+        r"TransformerLM: `targets` must hold ids in \[0, vocab_size=101\) or -100 \(ignored\), "
+        rf"got {bad} at position \(1, 3\)"
+    )
+    with pytest.raises(ValueError, match=expected):
+        model(tokens, targets)
+    assert torch.equal(targets, original)
+
+
+@pytest.mark.parametrize("loss", ["eager", "fused"])
+def test_ignored_and_boundary_targets_pass(loss):
+    model = TransformerLM(TINY.replace(loss=loss))
+    tokens = torch.randint(0, 101, (2, 5))
+    targets = torch.tensor([[0, 100, -100, 5, 7], [-100, -100, 1, 2, 3]])
+    logits = model(tokens)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(model(tokens, targets), expected)
+
+
+def test_the_target_check_is_turned_off_with_the_token_check():
+    model = TransformerLM(TINY, check_tokens=False)
+    targets = torch.zeros(1, 2, dtype=torch.long)
+    targets[0, 1] = 101
+    with pytest.raises(IndexError):  # what F.cross_entropy says without the check
+        model(torch.zeros(1, 2, dtype=torch.long), targets)
+
+
+@pytest.mark.gpu
+def test_gpu_targets_are_checked_in_eager():
+    model = TransformerLM(TINY, device="cuda")
+    tokens = torch.randint(0, 101, (2, 5), device="cuda")
+    targets = torch.randint(0, 101, (2, 5), device="cuda")
+    targets[0, 3] = 101
+    with pytest.raises(ValueError, match=r"`targets` must hold ids in \[0, vocab_size=101\)"):
+        model(tokens, targets)  # no device-side assert: the process stays usable
+    targets[0, 3] = -100
+    assert model(tokens, targets).isfinite()
+
+
+# --- TransformerLM parts and helpers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, "float32"], ids=str)
+def test_a_dtype_that_is_not_floating_is_refused_naming_dtype(dtype):
+    from llmsys.profiling.model import RMSNorm
+
+    match = rf"`dtype` must be None or a floating dtype, got {dtype}"
+    with pytest.raises(TypeError, match=rf"RMSNorm: {match}"):
+        RMSNorm(8, dtype=dtype)
+    with pytest.raises(TypeError, match=rf"TransformerLM: {match}"):
+        TransformerLM(TINY, dtype=dtype)
+    assert RMSNorm(8, dtype=torch.float64).weight.dtype == torch.float64
+
+
+@pytest.mark.parametrize("model", ["model", None, torch.nn.Linear(2, 2)], ids=str)
+def test_use_int8_linears_names_a_model_that_is_not_a_transformer_lm(model):
+    from llmsys.profiling import use_int8_linears
+
+    with pytest.raises(TypeError, match=r"use_int8_linears: `model` must be a TransformerLM, got"):
+        use_int8_linears(model)
+
+
 # --- other config dataclasses --------------------------------------------------------------------
 
 

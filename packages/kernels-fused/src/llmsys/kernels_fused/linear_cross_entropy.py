@@ -239,10 +239,7 @@ def _check(op, hidden, weight, target, bias, ignore_index, label_smoothing, redu
     if hidden.dim() != 2:
         raise ValueError(f"{op}: `hidden` must be 2-D (N, H), got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(
-            f"{op}: `weight` must have shape (V, H) with H = {hidden.shape[1]} "
-            f"(hidden's last size), got {tuple(weight.shape)}"
-        )
+        raise _weight_shape_error(op, weight, hidden)
     if target.shape != hidden.shape[:1]:
         raise ValueError(
             f"{op}: `target` must have shape {tuple(hidden.shape[:1])} (hidden's leading "
@@ -256,6 +253,13 @@ def _check(op, hidden, weight, target, bias, ignore_index, label_smoothing, redu
     for name, t in (("weight", weight), ("target", target), ("bias", bias)):
         checks.same_device(op, name, t, "hidden", hidden)
     _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size)
+
+
+def _weight_shape_error(op: str, weight: torch.Tensor, hidden: torch.Tensor) -> ValueError:
+    return ValueError(
+        f"{op}: `weight` must have shape (V, H) with H = {hidden.shape[-1]} "
+        f"(hidden's last size), got {tuple(weight.shape)}"
+    )
 
 
 def _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size) -> None:
@@ -552,9 +556,11 @@ def linear_cross_entropy(
             ``weight`` not hidden's dtype outside autocast, ``bias`` not weight's).
         ValueError: shapes that do not fit, tensors on different devices, ``label_smoothing``
             outside [0, 1], ``reduction`` other than "mean" or "sum", ``chunk_size`` below 1,
-            and on CPU a target outside [0, V) that is not ``ignore_index``. On the GPU such a
-            target is not checked (that would synchronize): its row's loss and gradients are
-            NaN, so the loss is NaN.
+            ``ignore_index`` or ``chunk_size`` outside int64, and on CPU a target outside
+            [0, V) that is not ``ignore_index``. On the GPU such a target is not checked (that
+            would synchronize): its row's loss and gradients are NaN, so the loss is NaN.
+
+    Meta tensors give a meta loss (and meta gradients), as ``F.cross_entropy`` does.
 
     Memory: one chunk of logits in the matmul dtype (at most 1 GiB by default), the gradients,
     and for 16-bit weights a float32 accumulator of the weight gradient (4 V H bytes). Works under
@@ -575,11 +581,17 @@ def linear_cross_entropy(
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     target = target.reshape(-1)  # (N,)
     device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
+    try:
+        autocast = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device autocast does not know, such as meta: nothing to cast
+        autocast = False
+    if autocast and hidden.dtype != torch.float64:
         hidden = hidden.to(torch.get_autocast_dtype(device_type))
     elif weight.dtype != hidden.dtype:
         checks.same_dtype(op, "weight", weight, "hidden", hidden)
-    if chunk_size is None and weight.dim() == 2:
+    if chunk_size is None:
+        if weight.dim() != 2:  # before reading V from it
+            raise _weight_shape_error(op, weight, hidden)
         chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], hidden.element_size())
     # Before the dispatcher, whose own errors for the scalars name no argument.
     _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size)
@@ -588,6 +600,28 @@ def linear_cross_entropy(
     if wants_grad(hidden, weight, bias):
         return _LinearCrossEntropyFunction.apply(*args, *flags)[0]
     return call_below_autograd(linear_cross_entropy_fwd, *args, False, False, False)[0]
+
+
+def _check_num_items(op: str, num_items) -> None:
+    if num_items is None:
+        return
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise ValueError(
+                f"{op}: `num_items_in_batch` must have one element, got shape "
+                f"{tuple(num_items.shape)}"
+            )
+        return
+    if isinstance(num_items, bool) or not isinstance(num_items, int | float):
+        raise TypeError(
+            f"{op}: `num_items_in_batch` must be None, a number or a tensor, got "
+            f"{type(num_items).__name__}"
+        )
+    if not num_items > 0:  # (NaN too)
+        raise ValueError(
+            f"{op}: `num_items_in_batch` must be positive (the count of targets that are not "
+            f"ignored), got {num_items}"
+        )
 
 
 def causal_lm_loss(
@@ -614,8 +648,11 @@ def causal_lm_loss(
         labels: (B, T) int64, the input ids with ``ignore_index`` where no loss is wanted.
         ignore_index: default -100.
         num_items_in_batch: None: the mean over the targets that are not ignored. Else the sum
-            divided by it (a tensor or a number), as transformers does under gradient
-            accumulation.
+            divided by it, as transformers does under gradient accumulation: a positive number
+            (the count of targets not ignored over the accumulated batches, so 0 is refused
+            rather than giving an inf or NaN loss), or a tensor of one element, whose value is
+            not checked (reading it would synchronize with the GPU). A tensor of shape (1,)
+            gives a loss of shape (1,), as in transformers.
         shift_labels: (B, T) labels already shifted; ``labels`` is then not used.
         lm_head_bias, label_smoothing, chunk_size: passed to ``linear_cross_entropy`` as
             ``bias``, ``label_smoothing``, ``chunk_size``.
@@ -624,13 +661,35 @@ def causal_lm_loss(
         The 0-d float32 loss.
 
     Raises:
-        TypeError, ValueError: as ``linear_cross_entropy``, and a ``ValueError`` when neither
-            ``labels`` nor ``shift_labels`` is given.
+        TypeError, ValueError: as ``linear_cross_entropy``, under this function's names for the
+            arguments, all before the forward: ``labels`` (or ``shift_labels``) not int64 or not
+            of ``hidden_states``' leading shape, ``num_items_in_batch`` not None, a positive
+            number or a one-element tensor; and a ``ValueError`` when neither ``labels`` nor
+            ``shift_labels`` is given.
     """
+    op = "causal_lm_loss"
+    checks.tensors(
+        op,
+        optional=("lm_head_bias",),
+        hidden_states=hidden_states,
+        lm_head_weight=lm_head_weight,
+        lm_head_bias=lm_head_bias,
+    )
+    _check_num_items(op, num_items_in_batch)
     if shift_labels is None:
         if labels is None:
-            raise ValueError("causal_lm_loss: `labels` or `shift_labels` must be given, got None")
-        checks.tensor("causal_lm_loss", "labels", labels, (torch.int64,))
+            raise ValueError(f"{op}: `labels` or `shift_labels` must be given, got None")
+        name, given = "labels", labels
+    else:
+        name, given = "shift_labels", shift_labels
+    checks.tensor(op, name, given, (torch.int64,))
+    if given.shape != hidden_states.shape[:-1]:
+        raise ValueError(
+            f"{op}: `{name}` must have hidden_states' leading shape "
+            f"{tuple(hidden_states.shape[:-1])}, got {tuple(given.shape)}"
+        )
+    if shift_labels is None:
+        checks.integer(op, "ignore_index", ignore_index, -(2**63))  # before F.pad takes it
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = linear_cross_entropy(

@@ -7,7 +7,7 @@ from torch import nn
 
 from llmsys.triton_launch import checks
 
-from .rms_norm import rms_norm
+from .rms_norm import DTYPES, rms_norm
 
 
 class LlamaStyleRMSNorm(nn.Module):
@@ -21,7 +21,8 @@ class LlamaStyleRMSNorm(nn.Module):
     Args:
         hidden_size: N, the size of the normalised last dim.
         eps: added to the mean square. Default 1e-6.
-        device, dtype: of ``weight`` (default: torch's defaults).
+        device, dtype: of ``weight`` (default: torch's defaults); ``dtype`` one that
+            :func:`rms_norm` takes, float16, bfloat16 or float32 (else ``TypeError``).
 
     ``forward(hidden_states, residual=None)`` returns ``rms_norm(hidden_states, weight, eps)``,
     or with ``residual`` the pair ``(normalised, hidden_states + residual)``.
@@ -36,6 +37,11 @@ class LlamaStyleRMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         checks.positive_int("LlamaStyleRMSNorm", "hidden_size", hidden_size)
+        if dtype is not None and dtype not in DTYPES:
+            raise TypeError(
+                f"LlamaStyleRMSNorm: `dtype` must be None or one of ({checks.dtype_names(DTYPES)}),"
+                f" got {dtype}"
+            )
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.variance_epsilon = eps
 

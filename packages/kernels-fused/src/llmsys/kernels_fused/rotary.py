@@ -445,17 +445,20 @@ def apply_rotary_pos_emb(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    unsqueeze_dim: int = 1,
+    unsqueeze_dim: int | torch.Tensor | None = 1,
     *,
     position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A drop-in for ``transformers.models.llama.modeling_llama.apply_rotary_pos_emb``, with
-    transformers 5's signature (``unsqueeze_dim`` the fifth argument).
+    transformers 5's signature (``unsqueeze_dim`` the fifth argument), that also takes
+    transformers 4's calls ``(q, k, cos, sin, position_ids)``.
 
     Args:
         q, k, cos, sin: as for ``rotary`` when ``unsqueeze_dim`` is 1 (or -3). With
             ``unsqueeze_dim`` 2 (or -2) q and k are ``(B, S, H, D)`` instead.
         unsqueeze_dim: the dim of q and k that ``cos`` and ``sin`` broadcast over: the heads.
+            A tensor or None here is transformers 4's fifth argument, ``position_ids``: ignored,
+            and the heads are dim 1 (that signature's ``unsqueeze_dim`` sixth cannot be given).
         position_ids: ignored, as transformers 4 ignored it (``cos`` and ``sin`` already are per
             position); keyword-only, for callers written for that signature.
 
@@ -464,8 +467,16 @@ def apply_rotary_pos_emb(
         float32 ``cos``).
 
     Raises:
+        TypeError: ``unsqueeze_dim`` is not an int, a tensor or None.
         ValueError: ``unsqueeze_dim`` is not 1, -3, 2 or -2; and everything ``rotary`` raises.
     """
+    if type(unsqueeze_dim) is not int:
+        if unsqueeze_dim is not None and not isinstance(unsqueeze_dim, torch.Tensor):
+            raise TypeError(
+                "apply_rotary_pos_emb: `unsqueeze_dim` must be an int (or, in transformers 4's "
+                f"order, `position_ids`: a tensor or None), got {type(unsqueeze_dim).__name__}"
+            )
+        unsqueeze_dim = 1  # that was transformers 4's position_ids
     if unsqueeze_dim == 1 or unsqueeze_dim == -3:
         return rotary(q, k, cos, sin)
     if unsqueeze_dim != 2 and unsqueeze_dim != -2:

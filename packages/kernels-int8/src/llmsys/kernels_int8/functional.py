@@ -74,11 +74,13 @@ def quantize_int8_perrow(
         ``q`` (M, K) int8, contiguous, and ``scale`` (M,) in ``x.dtype``. Neither requires grad.
 
     Raises:
-        TypeError: ``x`` is not a tensor or not float16/bfloat16/float32.
+        TypeError: ``x`` is not a tensor or not float16/bfloat16/float32; ``check_finite`` is
+            not a bool.
         ValueError: ``x`` is not 2-D.
     """
     checks.tensors("quantize_int8_perrow", x=x)
-    if check_finite:
+    if check_finite is not False:  # (the default costs one comparison)
+        checks.flag("quantize_int8_perrow", "check_finite", check_finite)
         ops.check_finite_rows("quantize_int8_perrow", "x", x)
     return call_below_autograd(ops.int8_quantize_perrow, x)
 
@@ -100,6 +102,11 @@ def quantize_int8(
     Returns:
         ``(q, scale)`` as above, ``scale`` in ``weight.dtype``.
 
+    Raises:
+        TypeError: ``weight`` is not a float16/bfloat16/float32 tensor; ``check_finite`` is not
+            a bool.
+        ValueError: ``weight`` is not 2-D, or ``axis`` is not 0, 1, -2 or -1.
+
     For an ``nn.Linear`` weight (N, K), ``quantize_int8(linear.weight.t())`` gives the (K, N)
     operand ``y = x @ W.T`` needs (``Int8Linear.from_float`` does this).
     """
@@ -108,7 +115,8 @@ def quantize_int8(
         raise ValueError(f"quantize_int8: `weight` must be 2-D (K, N), got {tuple(weight.shape)}")
     if isinstance(axis, bool) or axis not in (0, 1, -1, -2):
         raise ValueError(f"quantize_int8: `axis` must be 0 or 1 (or -2, -1), got {axis!r}")
-    if check_finite:
+    if check_finite is not False:
+        checks.flag("quantize_int8", "check_finite", check_finite)
         ops.check_finite_rows("quantize_int8", "weight", weight if axis in (1, -1) else weight.t())
     if axis in (0, -2):
         q, scale = quantize_int8_perrow(weight.t())  # q (N, K) row-major
@@ -189,8 +197,9 @@ def matmul_quantize_int8(
         (..., N) in ``fpa.dtype`` (or ``out``).
 
     Raises:
-        TypeError, ValueError: as :func:`quantize_int8_perrow` and :func:`matmul_int8`, for
-            ``fpa`` of fewer than one dimension, and for ``out`` of the wrong shape.
+        TypeError, ValueError: as :func:`quantize_int8_perrow` (``check_finite`` not a bool
+            included) and :func:`matmul_int8`, for ``fpa`` of fewer than one dimension, and for
+            ``out`` of the wrong shape.
         RuntimeError: grad mode is on and ``fpa`` requires grad (inference-only).
     """
     checks.tensors("matmul_quantize_int8", ("out",), fpa=fpa, b=b, b_scale=b_scale, out=out)
@@ -200,7 +209,8 @@ def matmul_quantize_int8(
         raise ops.inference_only_error("matmul_quantize_int8")
     k, lead = fpa.shape[-1], fpa.shape[:-1]
     rows = fpa.reshape(math.prod(lead), k)  # (M, K)
-    if check_finite:
+    if check_finite is not False:
+        checks.flag("matmul_quantize_int8", "check_finite", check_finite)
         ops.check_finite_rows("matmul_quantize_int8", "fpa", rows)
     q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
     if out is None:

@@ -61,7 +61,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             checks.positive_int("Int8Linear", name, value)
-        _check_flag("Int8Linear", "check_finite", check_finite)
+        checks.flag("Int8Linear", "check_finite", check_finite)
         self.check_finite = check_finite
         if dtype not in ops.FLOAT_DTYPES:
             raise TypeError(
@@ -214,7 +214,7 @@ def quantize_linears(
             "quantize_linears: `model` is itself an nn.Linear and cannot be swapped in place; "
             "use Int8Linear.from_float(model)"
         )
-    _check_flag("quantize_linears", "check_finite", check_finite)
+    checks.flag("quantize_linears", "check_finite", check_finite)
     selected = _selector(include)
     linears = [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]
     chosen = [(name, module) for name, module in linears if selected(name, module)]
@@ -232,11 +232,6 @@ def quantize_linears(
     names = [name for name, _ in swaps]
     logger.info("quantize_linears: swapped %d nn.Linear for Int8Linear: %s", len(names), names)
     return model
-
-
-def _check_flag(owner: str, name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{owner}: `{name}` must be a bool, got {type(value).__name__}")
 
 
 def _selector(include: Include) -> Callable[[str, nn.Linear], bool]:

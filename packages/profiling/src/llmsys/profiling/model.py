@@ -24,10 +24,18 @@ from .config import ModelConfig
 from .training import lm_loss
 
 INIT_STD = 0.02
+IGNORE_INDEX = -100  # the target F.cross_entropy (lm_loss) and the fused loss skip
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def _check_dtype(owner: str, dtype) -> None:
+    """The parameters' dtype: None (torch's default) or a floating dtype, else ``TypeError``
+    (torch's own error, about gradients, names no argument)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{owner}: `dtype` must be None or a floating dtype, got {dtype}")
 
 
 class RMSNorm(nn.Module):
@@ -44,6 +52,7 @@ class RMSNorm(nn.Module):
         self, d_model: int, eps: float = 1e-5, *, fused: bool = False, device=None, dtype=None
     ) -> None:
         super().__init__()
+        _check_dtype("RMSNorm", dtype)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
         self.kernel = None
@@ -234,10 +243,13 @@ class TransformerLM(nn.Module):
         config: a :class:`ModelConfig` (default: the "small" size with SDPA attention).
         device, dtype: for the parameters (default: PyTorch's defaults).
 
-        check_tokens: check in ``forward`` that every token id is in ``[0, vocab_size)``
-            (ValueError naming ``tokens`` otherwise). It reads two numbers back from the
-            device, so it is skipped inside CUDA-graph capture and torch.compile; turn it off
-            where that synchronization would cost (timed loops). Default True.
+        check_tokens: check in ``forward`` that every token id, and every target that is not
+            -100, is in ``[0, vocab_size)`` (ValueError naming ``tokens`` or ``targets``
+            otherwise: on CPU an IndexError, on CUDA a device-side assert that poisons the
+            process, for the eager loss; a NaN loss on CUDA for the fused one). It reads the
+            bounds back from the device in one synchronization, so it is skipped inside
+            CUDA-graph capture and torch.compile; turn it off where that synchronization would
+            cost (timed loops). Default True.
 
     Shapes: ``model(tokens)``: ``tokens`` (B, T) int64 with T <= ``config.context_length`` ->
     logits (B, T, vocab_size) in the dtype of the last matmul (float32, or bf16 under autocast).
@@ -266,6 +278,7 @@ class TransformerLM(nn.Module):
             raise TypeError(
                 f"TransformerLM: `check_tokens` must be a bool, got {type(check_tokens).__name__}"
             )
+        _check_dtype("TransformerLM", dtype)
         self.config = config
         self.check_tokens = check_tokens
         factory = {"device": device, "dtype": dtype}
@@ -299,7 +312,7 @@ class TransformerLM(nn.Module):
         if targets is not None:
             _check_targets(targets, tokens)
         if self.check_tokens and _can_synchronize(tokens):
-            _check_token_ids(tokens, self.config.vocab_size)
+            _check_ids(tokens, targets, self.config.vocab_size)
         x = self.embedding(tokens)  # (B, T, d_model)
         recompute = self.config.checkpoint and torch.is_grad_enabled()
         if self.config.norm == "fused":
@@ -349,18 +362,30 @@ def _check_targets(targets, tokens: torch.Tensor) -> None:
         )
 
 
-def _check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
-    """ValueError naming ``tokens`` unless every id is in [0, vocab_size): an out-of-range id
-    is an IndexError on CPU and a device-side assert that poisons the process on CUDA."""
-    if tokens.numel() == 0:
+def _check_ids(tokens: torch.Tensor, targets: torch.Tensor | None, vocab_size: int) -> None:
+    """ValueError naming ``tokens`` (or ``targets``) unless every id is in [0, vocab_size)
+    (for targets, or IGNORE_INDEX): an out-of-range id is an IndexError on CPU and a
+    device-side assert that poisons the process on CUDA. One read-back for both."""
+    if tokens.numel() == 0:  # (targets has tokens' shape)
         return
-    low, high = (int(v) for v in torch.aminmax(tokens))
+    checked = [tokens.long()]
+    if targets is not None:
+        checked.append(targets.masked_fill(targets == IGNORE_INDEX, 0))  # ignored: a valid id
+    bounds = torch.cat([torch.stack(torch.aminmax(t)) for t in checked]).tolist()
+    low, high = bounds[:2]
     if low < 0 or high >= vocab_size:
         bad = ((tokens < 0) | (tokens >= vocab_size)).nonzero()[0].tolist()
         raise ValueError(
             f"TransformerLM: `tokens` must hold ids in [0, vocab_size={vocab_size}), got ids "
             f"from {low} to {high}; the first out of range is {int(tokens[tuple(bad)])} at "
             f"position {tuple(bad)}"
+        )
+    if targets is not None and (bounds[2] < 0 or bounds[3] >= vocab_size):
+        out = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab_size))
+        bad = out.nonzero()[0].tolist()
+        raise ValueError(
+            f"TransformerLM: `targets` must hold ids in [0, vocab_size={vocab_size}) or "
+            f"{IGNORE_INDEX} (ignored), got {int(targets[tuple(bad)])} at position {tuple(bad)}"
         )
 
 
@@ -375,10 +400,15 @@ def use_int8_linears(model: TransformerLM) -> TransformerLM:
 
     Call it on a model already in its inference dtype (float16 or bfloat16); the router of an MoE
     variant stays in floating point (its logits pick the experts). A model with the fused loss
-    is refused (ValueError): that loss needs ``lm_head``'s floating-point weight.
+    is refused (ValueError): that loss needs ``lm_head``'s floating-point weight, and anything
+    but a ``TransformerLM`` (TypeError naming ``model``).
     """
     from llmsys.kernels_int8 import quantize_linears
 
+    if not isinstance(model, TransformerLM):
+        raise TypeError(
+            f"use_int8_linears: `model` must be a TransformerLM, got {type(model).__name__}"
+        )
     if model.config.loss == "fused":
         raise ValueError(
             "use_int8_linears: `model` must have config.loss='eager' (the fused loss reads "

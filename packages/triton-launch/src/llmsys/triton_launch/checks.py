@@ -65,12 +65,28 @@ def same_device(op: str, name: str, t: torch.Tensor | None, ref_name: str, ref) 
         )
 
 
-def integer(op: str, name: str, value, minimum: int) -> None:
-    """An ``int`` (not a bool) of at least ``minimum``: ``TypeError``, then ``ValueError``."""
+INT64_MAX = 2**63 - 1  # the largest value an op schema's ``int`` holds
+
+
+def integer(op: str, name: str, value, minimum: int, maximum: int = INT64_MAX) -> None:
+    """An ``int`` (not a bool) in ``[minimum, maximum]``: ``TypeError``, then ``ValueError``.
+
+    The default ``maximum`` is int64's: past it the dispatcher's own error ("Expected a value
+    of type 'int' ... found type 'int'") names no argument.
+    """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{op}: `{name}` must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{op}: `{name}` must be at least {minimum}, got {value}")
+    if value > maximum:
+        bound = "2**63 - 1 (int64)" if maximum == INT64_MAX else maximum
+        raise ValueError(f"{op}: `{name}` must be at most {bound}, got {value}")
+
+
+def flag(op: str, name: str, value) -> None:
+    """A ``bool`` (not a truthy string or None), else ``TypeError``."""
+    if type(value) is not bool:
+        raise TypeError(f"{op}: `{name}` must be a bool, got {type(value).__name__}")
 
 
 def positive_int(owner: str, name: str, value) -> None:
