@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from llmsys.bench_harness import results
+from llmsys.bench_harness import arguments, results
 
 # subcommand -> module with HELP, add_arguments(parser) and run(args) -> list[results.Row]
 SUBCOMMANDS = {
@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "report":
             sub.add_argument(
                 "--device",
+                type=arguments.device,
                 default="cuda" if torch.cuda.is_available() else "cpu",
-                help="where to run (default: cuda if there is a GPU, else cpu)",
+                help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)",
             )
             sub.add_argument(
                 "--out",

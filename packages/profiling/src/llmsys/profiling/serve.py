@@ -57,9 +57,9 @@ import torch
 from torch import nn
 
 from llmsys.bench_harness import call_times_ms, cuda_graph, results
+from llmsys.bench_harness.arguments import batch_by_tokens, non_negative_int, positive_int
 
 from .llama import LLAMA, LLAMA_8B, TINY, _transformers, build_llama
-from .options import batch_by_tokens, non_negative_int, positive_int
 from .progress import progress
 from .training import synchronize
 
