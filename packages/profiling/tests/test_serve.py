@@ -87,6 +87,18 @@ def test_a_run_with_no_cases_writes_an_empty_table(tmp_path):
     assert results.read_rows(tmp_path / "serve.csv") == []
 
 
+def test_the_context_is_checked_against_generate_only_when_generate_runs(tmp_path, capsys):
+    """Issue 49: --context 62 left no room for generate's tokens in the tiny Llama (64
+    positions), and the run was refused although --generate named no case."""
+    argv = ["serve", "--quick", "--device", "cpu", "--providers", "fp16", "--context", "62"]
+    argv += ["--prefill", "--decode", "1", "--warmup", "0", "--reps", "1", "--out", str(tmp_path)]
+    assert cli.main([*argv, "--generate"]) == 0
+    (row,) = results.read_rows(tmp_path / "serve.csv")
+    assert (row.kernel, row.x) == ("serve/decode", "batch 1, context 62") and row.p50 > 0
+    with pytest.raises(SystemExit, match="--context 62 leaves no room for generate's tokens"):
+        cli.main([*argv, "--generate", "1"])
+
+
 class _Packed(torch.Tensor):
     """A float16 weight stored as int8 values and a scale, as torchao's quantized tensors are:
     a wrapper subclass whose own storage is not the data."""
