@@ -99,6 +99,20 @@ def test_the_context_is_checked_against_generate_only_when_generate_runs(tmp_pat
         cli.main([*argv, "--generate", "1"])
 
 
+def test_replacing_is_said_only_when_a_previous_run_is_there(tmp_path, capsys):
+    """Issue 49: a first run into an empty --out said it replaced the previous run's CSV (the
+    run had written it case by case)."""
+    argv = ["serve", "--quick", "--device", "cpu", "--providers", "fp16", "--decode"]
+    argv += ["--generate", "--warmup", "0", "--reps", "1"]
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        assert cli.main([*argv, "--out", str(out)]) == 0
+        said = capsys.readouterr().out
+        assert f"wrote {out / 'serve.csv'}\n" in said and "the previous run's" not in said
+    assert cli.main([*argv, "--out", str(tmp_path / "empty")]) == 0
+    assert "(replacing the previous run's; --out DIR keeps runs apart)" in capsys.readouterr().out
+
+
 class _Packed(torch.Tensor):
     """A float16 weight stored as int8 values and a scale, as torchao's quantized tensors are:
     a wrapper subclass whose own storage is not the data."""
