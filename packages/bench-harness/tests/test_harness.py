@@ -1,5 +1,7 @@
 """The shared benchmark harness: CSV schema, device names, CPU timing."""
 
+import argparse
+
 import pytest
 import torch
 
@@ -205,3 +207,32 @@ def test_a_table_without_times_shows_its_values_in_full_and_its_config_by_name()
     assert table.splitlines()[0] == "| kernel | mode | dtype | case | provider | value | config |"
     assert "| fp32 | 10.00013 | abs_error=0.000133514 |" in table
     assert "| fp16 | 10.00214 | abs_error=0.00213623 |" in table
+
+
+@pytest.mark.parametrize("device", ["bogus", "meta", "cuda:99", "mps"])
+def test_sweep_arguments_refuse_a_device_this_machine_cannot_run_on(device, tmp_path, capsys):
+    """Issue 49: a bad --device is argparse's error naming the option, before any case runs."""
+    parser = harness.sweep_arguments("t", tmp_path, "")
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--device", device])
+    assert exit_.value.code == 2
+    assert "argument --device: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kind", "good", "bad"),
+    [("positive_int", ["1", "12"], ["0", "-1", "1.5", "x"]),
+     ("non_negative_int", ["0", "3"], ["-1", "x"]),
+     ("positive_float", ["0.5", "1e3"], ["0", "-1", "nan", "inf"]),
+     ("non_negative_float", ["0", "2.5"], ["-0.1", "nan", "inf"]),
+     ("batch_by_tokens", ["8x512", "1X1"], ["8", "0x4", "ax2", "2x3x4"])],
+)  # fmt: skip
+def test_the_shared_argparse_types_name_the_option_in_their_error(kind, good, bad, capsys):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--value", type=getattr(harness.arguments, kind))
+    for text in good:
+        assert parser.parse_args(["--value", text]).value is not None
+    for text in bad:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--value", text])
+        assert "argument --value: " in capsys.readouterr().err

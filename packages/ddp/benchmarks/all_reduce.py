@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from llmsys.bench_harness import results
+from llmsys.bench_harness.arguments import positive_float, positive_int
 from llmsys.ddp import init_distributed, local_device
 from llmsys.profiling.infra import roofline_check
 
@@ -78,9 +79,9 @@ def rows_for(size_mb: float, per_call: list[float], world_size: int, backend: st
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 10, 100, 1000])
+    parser.add_argument("--sizes-mb", type=positive_float, nargs="+", default=[1, 10, 100, 1000])
     parser.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on GPUs")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per size")
+    parser.add_argument("--rounds", type=positive_int, default=10, help="timed rounds per size")
     parser.add_argument("--out", type=Path, required=True, help="CSV written by rank 0")
     args = parser.parse_args(argv)
     rank, world_size = init_distributed(args.backend)

@@ -40,9 +40,10 @@ import torch.distributed as dist
 
 import llmsys.bench_harness as harness
 from llmsys.bench_harness import results
+from llmsys.bench_harness.arguments import non_negative_int, positive_int
 from llmsys.ddp import FSDP, DDPBucketed, init_distributed, local_device
 from llmsys.profiling import training
-from llmsys.profiling.config import ModelConfig
+from llmsys.profiling.config import SIZES, ModelConfig
 from llmsys.profiling.infra import accounting, memory_model
 from llmsys.profiling.model import TransformerBlock, TransformerLM
 
@@ -317,15 +318,25 @@ def predicted_gib_for(config, args, world_size: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="xl", help="a profiling model size (default xl)")
-    parser.add_argument("--context-length", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
     parser.add_argument(
-        "--steps", type=int, default=4, help="timed steps per strategy and round (default 4)"
+        "--size", default="xl", choices=list(SIZES), help="a profiling model size (default xl)"
     )
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per round first")
+    parser.add_argument("--context-length", type=positive_int, default=512)
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank")
     parser.add_argument(
-        "--rounds", type=int, default=2, help="rounds over all strategies, interleaved (default 2)"
+        "--steps",
+        type=positive_int,
+        default=4,
+        help="timed steps per strategy and round (default 4)",
+    )
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="untimed steps per round first"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=2,
+        help="rounds over all strategies, interleaved (default 2)",
     )
     parser.add_argument("--checkpointing", choices=("off", "on", "both"), default="off",
                         help="per-block activation checkpointing")  # fmt: skip

@@ -25,22 +25,26 @@ import torch
 import torch.distributed as dist
 
 import llmsys.bench_harness as harness
+from llmsys.bench_harness.arguments import positive_int
 from llmsys.ddp import init_distributed, local_device
 from llmsys.profiling import training
+from llmsys.profiling.config import SIZES
 
 _fsdp = harness.load_beside(__file__, "fsdp")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="xl", help="a profiling model size (default xl)")
-    parser.add_argument("--context-length", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument(
+        "--size", default="xl", choices=list(SIZES), help="a profiling model size (default xl)"
+    )
+    parser.add_argument("--context-length", type=positive_int, default=512)
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank")
     parser.add_argument("--kernels", choices=("eager", "fused"), default="eager",
                         help="RMSNorm and RoPE: eager, or llmsys.kernels_fused")  # fmt: skip
     parser.add_argument("--strategies", nargs="+", choices=list(_fsdp.STRATEGIES),
                         default=["one GPU alone", "FSDP bf16"])  # fmt: skip
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    parser.add_argument("--steps", type=positive_int, default=5, help="timed steps (default 5)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the profiles")
     args = parser.parse_args(argv)
     rank, world_size = init_distributed()

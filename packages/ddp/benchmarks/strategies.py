@@ -34,6 +34,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.nn.parallel import DistributedDataParallel
 
 from llmsys.bench_harness import results
+from llmsys.bench_harness.arguments import non_negative_int, positive_int
 from llmsys.ddp import (
     DDPBucketed,
     DDPFlat,
@@ -43,7 +44,7 @@ from llmsys.ddp import (
     local_device,
 )
 from llmsys.profiling import training
-from llmsys.profiling.config import ModelConfig
+from llmsys.profiling.config import SIZES, ModelConfig
 from llmsys.profiling.infra import accounting
 from llmsys.profiling.model import TransformerLM
 
@@ -274,13 +275,19 @@ def rows_for(measured: dict[str, dict], args, config, world_size, device) -> lis
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="xl", help="a profiling model size (default xl)")
-    parser.add_argument("--context-length", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument(
+        "--size", default="xl", choices=list(SIZES), help="a profiling model size (default xl)"
+    )
+    parser.add_argument("--context-length", type=positive_int, default=512)
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank")
     parser.add_argument("--dtype", choices=training.DTYPES, default="bf16")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy and round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per round first")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument(
+        "--steps", type=positive_int, default=5, help="timed steps per strategy and round"
+    )
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="untimed steps per round first"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=3,
                         help="rounds over all strategies, interleaved (default 3)")  # fmt: skip
     parser.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=None)
     parser.add_argument("--out", type=Path, required=True, help="CSV written by rank 0")

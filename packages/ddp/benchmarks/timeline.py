@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 
 import llmsys.bench_harness as harness
+from llmsys.bench_harness.arguments import non_negative_int, positive_int
 from llmsys.ddp import init_distributed, local_device
 from llmsys.profiling import training
-from llmsys.profiling.config import ModelConfig
+from llmsys.profiling.config import SIZES, ModelConfig
 from llmsys.profiling.model import TransformerLM
 
 _strategies = harness.load_beside(__file__, "strategies")
@@ -167,11 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--size", default="xl", help="a profiling model size (default xl)")
-    parser.add_argument("--context-length", type=int, default=512, help="(default 512)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank (default 4)")
-    parser.add_argument("--steps", type=int, default=6, help="timed steps (default 6)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument(
+        "--size", default="xl", choices=list(SIZES), help="a profiling model size (default xl)"
+    )
+    parser.add_argument("--context-length", type=positive_int, default=512, help="(default 512)")
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=4, help="sequences per rank (default 4)"
+    )
+    parser.add_argument("--steps", type=positive_int, default=6, help="timed steps (default 6)")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="untimed steps first (default 3)"
+    )
     parser.add_argument("--ddp", nargs="*", choices=list(_strategies.STRATEGIES),
                         default=["no communication", "torch DDP", "bucketed 25 MB",
                                  "bucketed 100 MB bf16"],

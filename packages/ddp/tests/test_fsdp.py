@@ -1070,3 +1070,16 @@ def check_odd_blocks(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_padded_mixed_dtype_blocks_train_as_one_process(run_ranks, world_size):
     run_ranks(check_odd_blocks, world_size=world_size, timeout=120)
+
+
+def test_the_state_dict_flags_take_only_a_bool():
+    """Issue 49: ``strict="no"`` was taken as True, ``keep_vars="yes"`` ignored."""
+    model = FSDP(BlocksLM())
+    full = model.state_dict()
+    for flag, value in (("strict", "no"), ("assign", None), ("strict", 1)):
+        refusal = rf"FSDP.load_state_dict: `{flag}` must be a bool, got {type(value).__name__}"
+        with pytest.raises(TypeError, match=refusal):
+            model.load_state_dict(full, **{flag: value})
+    with pytest.raises(TypeError, match=r"FSDP.state_dict: `keep_vars` must be a bool, got str"):
+        model.state_dict(keep_vars="yes")
+    model.load_state_dict(full, strict=False)

@@ -89,23 +89,54 @@ def test_the_cache_is_passed_without_a_deprecated_keyword(rewritten):
 def test_bad_arguments_are_named():
     model = build("llama").eval()
     ids = prompt()
-    with pytest.raises(TypeError, match=r"input_ids must be a torch\.Tensor, got list"):
+    with pytest.raises(TypeError, match=r"`input_ids` must be a torch\.Tensor, got list"):
         generate(model, ids.tolist(), 2)
-    with pytest.raises(ValueError, match=r"input_ids must be \(batch, prompt\).*got \(5,\)"):
+    with pytest.raises(ValueError, match=r"`input_ids` must be \(batch, prompt\).*got \(5,\)"):
         generate(model, ids[0], 2)
     with pytest.raises(ValueError, match=r"got \(3, 0\)"):
         generate(model, ids[:, :0], 2)
     with pytest.raises(TypeError, match=r"int64 or int32 token ids, got torch\.float32"):
         generate(model, ids.float(), 2)
-    with pytest.raises(TypeError, match="max_new_tokens must be an int, got bool"):
+    with pytest.raises(TypeError, match="`max_new_tokens` must be an int, got bool"):
         generate(model, ids, True)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="`max_new_tokens` must be >= 1, got 0"):
         generate(model, ids, 0)
-    with pytest.raises(ValueError, match="cuda_graph=True needs input_ids on a CUDA device"):
+    with pytest.raises(ValueError, match="`cuda_graph=True` needs `input_ids` on a CUDA device"):
         generate(model, ids, 2, cuda_graph=True)
     before = ids.clone()
     generate(model, ids, 2)
     assert torch.equal(ids, before)  # the caller's prompt is not written
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        (("model",), {}, TypeError, r"generate: `model` must be an nn.Module, got str"),
+        ((None,), {}, TypeError, r"`model` must be an nn.Module, got NoneType"),
+        ((torch.nn.Linear(2, 2),), {}, TypeError, r"`model` must be a causal LM with a `config`"),
+        ((), {"cuda_graph": "no"}, TypeError, r"`cuda_graph` must be a bool or None, got str"),
+        ((), {"cuda_graph": 0}, TypeError, r"`cuda_graph` must be a bool or None, got int"),
+        ((), {"max_new_tokens": 2.0}, TypeError, r"`max_new_tokens` must be an int, got float"),
+        ((), {"max_new_tokens": -3}, ValueError, r"`max_new_tokens` must be >= 1, got -3"),
+        ((), {"input_ids": "ids"}, TypeError, r"`input_ids` must be a torch.Tensor, got str"),
+        ((), {"input_ids": torch.ones(2, 3, 4, dtype=torch.long)}, ValueError, r"\(2, 3, 4\)"),
+        ((), {"input_ids": torch.ones(2, 3, dtype=torch.uint8)}, TypeError, r"got torch.uint8"),
+    ],
+)
+def test_every_argument_is_checked_by_name_before_anything_runs(args, kwargs, error, match):
+    """Issue 49: a str model, or cuda_graph="no" (taken as True before), refused by name."""
+    model = build("llama").eval()
+    call = dict(model=model, input_ids=prompt(), max_new_tokens=2) | kwargs
+    if args:
+        call["model"] = args[0]
+    with pytest.raises(error, match=match):
+        generate(call.pop("model"), **call)
+
+
+def test_cuda_graph_false_and_none_still_run_on_the_cpu():
+    model = build("llama").eval()
+    ids = prompt()
+    assert torch.equal(generate(model, ids, 3, cuda_graph=False), generate(model, ids, 3))
 
 
 @pytest.mark.gpu

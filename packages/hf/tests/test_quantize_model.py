@@ -294,6 +294,18 @@ def test_bad_arguments_raise_naming_them(device):
     assert "forward" not in vars(model.model.layers[0])
 
 
+def test_a_float64_model_is_a_type_error_as_documented(device):
+    """Issue 49: ``model.double()`` raised ValueError where the docstring promises TypeError."""
+    documented = "TypeError: ``model`` is not an ``nn.Module``, or a weight of a layer is not"
+    assert documented in " ".join(quantize_model.__doc__.split())
+    model = tiny_model("llama", device).double()
+    refusal = r"`model` weights must be float16, bfloat16 or float32, got torch.float64 in model\."
+    with pytest.raises(TypeError, match=refusal):
+        quantize_model(model)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert "forward" not in vars(model.model.layers[0])
+
+
 def test_the_layer_refuses_what_it_cannot_serve(device):
     """Gradients, another dtype, a non-contiguous input: an error, never a slower copy."""
     model = tiny_model("llama", device)

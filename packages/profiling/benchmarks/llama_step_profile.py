@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from llmsys.bench_harness import cuda_graph
+from llmsys.bench_harness.arguments import positive_int
 from llmsys.profiling import serve
 from llmsys.profiling.llama import LLAMA, TRAIN_PROVIDERS, build_llama, kernels_of, train_step
 from llmsys.profiling.training import make_optimizer
@@ -144,12 +145,16 @@ def main() -> None:
     )
     parser.add_argument("--model", choices=serve.MODELS, default="8b", help="serving model")
     parser.add_argument(
-        "--batch", type=int, nargs="+", default=[8], help="serving batches (default 8)"
+        "--batch", type=positive_int, nargs="+", default=[8], help="serving batches (default 8)"
     )
-    parser.add_argument("--tokens", type=int, default=512, help="prefill tokens (default 512)")
-    parser.add_argument("--context", type=int, default=1024, help="decode context (default 1024)")
+    parser.add_argument(
+        "--tokens", type=positive_int, default=512, help="prefill tokens (default 512)"
+    )
+    parser.add_argument(
+        "--context", type=positive_int, default=1024, help="decode context (default 1024)"
+    )
     parser.add_argument("--compiled", action="store_true", help="serving: compile the layers")
-    parser.add_argument("--steps", type=int, default=3, help="profiled steps (default 3)")
+    parser.add_argument("--steps", type=positive_int, default=3, help="profiled steps (default 3)")
     args = parser.parse_args()
     training = args.case == "train"
     args.provider = args.provider or ("llmsys" if training else "int8-fused")

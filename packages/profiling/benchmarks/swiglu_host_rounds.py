@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from llmsys.bench_harness.arguments import positive_int
 from llmsys.bench_harness.harness import load_beside
 from llmsys.kernels_swiglu import swiglu
 from llmsys.kernels_swiglu.functional import _SwiGLUFunction
@@ -59,7 +60,9 @@ def cases(host_breakdown) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4, help="rounds of all calls (default 4)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=4, help="rounds of all calls (default 4)"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():

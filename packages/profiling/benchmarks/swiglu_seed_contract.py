@@ -29,6 +29,7 @@ import triton
 import triton.testing
 
 import llmsys.kernels_swiglu  # noqa: F401  (registers torch.ops.llm_scaling_week.swiglu_fwd)
+from llmsys.bench_harness.arguments import positive_int
 
 SHAPES = [(7, 3, 5), (128, 128), (1000, 1001), (1024, 1024), (4096, 4096), (8192, 8192)]
 DTYPES = (torch.float32, torch.bfloat16)
@@ -96,7 +97,7 @@ def measure(rounds: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -118,7 +118,8 @@ def test_model_subcommands_help_shows_defaults_and_explains_presets(name, capsys
     assert "the provider `sdpa+eager`" in out  # what runs with no preset
 
 
-def test_sizes_and_contexts_default_by_device():
+def test_sizes_and_contexts_default_by_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # --device cuda is checked
     parser = cli.build_parser()
     expected = {"cpu": (["tiny"], [128]), "cuda": (["small"], [1024])}
     for device, (sizes, contexts) in expected.items():

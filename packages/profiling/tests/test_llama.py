@@ -45,7 +45,9 @@ def test_quick_run_writes_every_case_its_errors_and_a_plot(tmp_path, capsys, rec
     # quantize_model computes quantize_linears' scheme with fewer passes: the same logits error
     assert math.isclose(errors["int8-fused"].throughput, int8, rel_tol=0.05)
     assert (tmp_path / "llama.png").stat().st_size > 0
-    assert "| llama/train-step |" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "| llama/train-step |" in said
+    assert "the previous run's" not in said  # a first run replaces nothing (issue 49)
     # the KV cache goes by the keyword this transformers takes, not a deprecated one
     assert not [w for w in recwarn if "past_key_values" in str(w.message)]
 

@@ -160,3 +160,13 @@ def test_bad_peaks_rejected():
     with pytest.raises(ValueError, match="precision"):
         spec.peak("fp32")
     assert spec.elementwise_flops == 1e12
+
+
+@pytest.mark.parametrize("value", ["no", None, 1])
+def test_flags_take_only_a_bool(value):
+    """Issue 49: ``causal="no"`` and ``always_tf32="no"`` were taken as True."""
+    h100 = hardware.lookup("H100")
+    with pytest.raises(TypeError, match=r"attention: `causal` must be a bool, got "):
+        roofline.attention(2, 16, 64, 64, 128, h100, causal=value)
+    with pytest.raises(TypeError, match=r"matmul_precision: `always_tf32` must be a bool, got "):
+        accounting.matmul_precision("fp32", always_tf32=value)

@@ -87,6 +87,32 @@ def test_a_run_with_no_cases_writes_an_empty_table(tmp_path):
     assert results.read_rows(tmp_path / "serve.csv") == []
 
 
+def test_the_context_is_checked_against_generate_only_when_generate_runs(tmp_path, capsys):
+    """Issue 49: --context 62 left no room for generate's tokens in the tiny Llama (64
+    positions), and the run was refused although --generate named no case."""
+    argv = ["serve", "--quick", "--device", "cpu", "--providers", "fp16", "--context", "62"]
+    argv += ["--prefill", "--decode", "1", "--warmup", "0", "--reps", "1", "--out", str(tmp_path)]
+    assert cli.main([*argv, "--generate"]) == 0
+    (row,) = results.read_rows(tmp_path / "serve.csv")
+    assert (row.kernel, row.x) == ("serve/decode", "batch 1, context 62") and row.p50 > 0
+    with pytest.raises(SystemExit, match="--context 62 leaves no room for generate's tokens"):
+        cli.main([*argv, "--generate", "1"])
+
+
+def test_replacing_is_said_only_when_a_previous_run_is_there(tmp_path, capsys):
+    """Issue 49: a first run into an empty --out said it replaced the previous run's CSV (the
+    run had written it case by case)."""
+    argv = ["serve", "--quick", "--device", "cpu", "--providers", "fp16", "--decode"]
+    argv += ["--generate", "--warmup", "0", "--reps", "1"]
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        assert cli.main([*argv, "--out", str(out)]) == 0
+        said = capsys.readouterr().out
+        assert f"wrote {out / 'serve.csv'}\n" in said and "the previous run's" not in said
+    assert cli.main([*argv, "--out", str(tmp_path / "empty")]) == 0
+    assert "(replacing the previous run's; --out DIR keeps runs apart)" in capsys.readouterr().out
+
+
 class _Packed(torch.Tensor):
     """A float16 weight stored as int8 values and a scale, as torchao's quantized tensors are:
     a wrapper subclass whose own storage is not the data."""

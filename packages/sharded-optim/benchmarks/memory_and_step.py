@@ -53,6 +53,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from llmsys.bench_harness import results
+from llmsys.bench_harness.arguments import non_negative_int, positive_int
 from llmsys.profiling.config import SIZES, ModelConfig
 from llmsys.profiling.model import TransformerLM
 from llmsys.profiling.training import autocast, lm_loss, random_batch
@@ -88,18 +89,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--context-length",
         default=argparse.SUPPRESS,
-        type=int,
+        type=positive_int,
         help="tokens per sequence (default: 512 on CUDA, 64 on the CPU)",
     )
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank")
     parser.add_argument(
         "--dtype",
         default="bf16",
         choices=("bf16", "fp32"),
         help="autocast dtype over float32 weights",
     )
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per variant")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="untimed steps per variant first"
+    )
     parser.add_argument(
         "--variants",
         nargs="+",

@@ -5,6 +5,8 @@ import importlib.util
 import socket
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_and_step.py"
 
 
@@ -44,3 +46,14 @@ def test_a_cpu_run_with_no_size_builds_the_tiny_model_and_prints_progress(
     assert "adamw: building the tiny model (context 64) on cpu" in out
     assert "adamw: 1 warm-up step(s)" in out and "adamw: timing 1 step(s)" in out
     assert (tmp_path / "cpu.csv").exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "bad"), [("--steps", "0"), ("--warmup", "-1"), ("--context-length", "0")]
+)
+def test_a_bad_count_is_refused_naming_the_option(option, bad, capsys):
+    """Issue 49: argparse's error names the option, before any process group is made."""
+    with pytest.raises(SystemExit) as exit_:
+        _script().parse_args([option, bad])
+    assert exit_.value.code == 2
+    assert f"argument {option}: " in capsys.readouterr().err

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from . import arguments
 from .results import (
     CSV_FIELDS,
     Row,
@@ -301,7 +302,12 @@ def sweep_arguments(description: str, results: Path, quick_help: str):
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        type=arguments.device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)",
+    )
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--out", type=Path, default=results, help="folder for the CSV and plot")
     parser.add_argument("--replot", type=Path, help="only redraw the plot of a results CSV")

@@ -59,6 +59,13 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 IN_FLIGHT_REDUCE_SCATTERS = 2  # beyond this, the oldest is waited for (its full gradients freed)
 
 
+def _check_flags(owner: str, **flags) -> None:
+    """Each of ``flags`` a bool, else a ``TypeError`` naming it."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{owner}: `{name}` must be a bool, got {type(value).__name__}")
+
+
 def is_sharded(param: torch.Tensor) -> bool:
     """The sharding rule: a 2-D parameter (a matmul's or a lookup's weight) is sharded."""
     return param.dim() == 2
@@ -304,6 +311,7 @@ class FSDP(DataParallelBase):
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The unwrapped module's full state dict (parameters gathered, on the CPU)."""
+        _check_flags("FSDP.state_dict", keep_vars=keep_vars)
         out = {} if destination is None else destination
         for name, value in self.module.state_dict(keep_vars=True).items():
             full = self._gather_full(value) if value in self._shards else value.detach()
@@ -313,6 +321,7 @@ class FSDP(DataParallelBase):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (from ``state_dict()`` on any world size, or an unwrapped
         model's) into this rank's slices and replicated parameters."""
+        _check_flags("FSDP.load_state_dict", strict=strict, assign=assign)
         if assign:
             raise ValueError("FSDP.load_state_dict: assign=True is not supported")
         owned = self.module.state_dict(keep_vars=True)

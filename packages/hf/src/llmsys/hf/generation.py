@@ -41,25 +41,22 @@ def generate(
             no stop at an end-of-sequence token (cut the rows afterwards).
         cuda_graph: replay the decode step from a CUDA graph (default: on a CUDA device). The
             first step runs eagerly, which also warms up what the capture needs.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` with a ``config``, ``input_ids`` is not an
+            int64 or int32 tensor, ``max_new_tokens`` is not an int or ``cuda_graph`` is not a
+            bool or None.
+        ValueError: ``input_ids`` is not (batch, prompt) with both sizes > 0,
+            ``max_new_tokens`` < 1, or ``cuda_graph=True`` with ``input_ids`` off CUDA.
     """
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
-        raise ValueError(
-            f"input_ids must be (batch, prompt) with both sizes > 0, got {tuple(input_ids.shape)}"
-        )
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"input_ids must hold int64 or int32 token ids, got {input_ids.dtype}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    _check_arguments(model, input_ids, max_new_tokens, cuda_graph)
     on_cuda = input_ids.device.type == "cuda"
     if cuda_graph is None:
         cuda_graph = on_cuda
     if cuda_graph and not on_cuda:
         raise ValueError(
-            f"cuda_graph=True needs input_ids on a CUDA device, got {input_ids.device}"
+            "generate: `cuda_graph=True` needs `input_ids` on a CUDA device, got "
+            f"{input_ids.device}"
         )
 
     from transformers import StaticCache
@@ -92,6 +89,40 @@ def generate(
             run()
             new.append(token.clone())
     return torch.cat([ids, *new], dim=1).to(input_ids.dtype)
+
+
+def _check_arguments(model, input_ids, max_new_tokens, cuda_graph) -> None:
+    """``generate``'s arguments, each refused by name before anything runs."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"generate: `model` must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, "config", None) is None:
+        raise TypeError(
+            "generate: `model` must be a causal LM with a `config` (a transformers model), got "
+            f"{type(model).__name__}"
+        )
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(
+            f"generate: `input_ids` must be a torch.Tensor, got {type(input_ids).__name__}"
+        )
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(
+            "generate: `input_ids` must be (batch, prompt) with both sizes > 0, got "
+            f"{tuple(input_ids.shape)}"
+        )
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(
+            f"generate: `input_ids` must hold int64 or int32 token ids, got {input_ids.dtype}"
+        )
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, Integral):
+        raise TypeError(
+            f"generate: `max_new_tokens` must be an int, got {type(max_new_tokens).__name__}"
+        )
+    if max_new_tokens < 1:
+        raise ValueError(f"generate: `max_new_tokens` must be >= 1, got {max_new_tokens}")
+    if cuda_graph is not None and not isinstance(cuda_graph, bool):
+        raise TypeError(
+            f"generate: `cuda_graph` must be a bool or None, got {type(cuda_graph).__name__}"
+        )
 
 
 def cached_forward(model: nn.Module, cache):

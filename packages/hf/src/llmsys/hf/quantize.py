@@ -295,6 +295,12 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
             f"apply_llmsys (e.g. {trained[0]!r}), whose training kernels it cannot quantize; "
             "quantize the model as transformers builds it"
         )
+    for name, linear in named:  # a weight of another dtype is a TypeError, as documented
+        if type(linear) is nn.Linear and linear.weight.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"quantize_model: `model` weights must be float16, bfloat16 or float32, got "
+                f"{linear.weight.dtype} in {name}; nothing was changed"
+            )
     classes = family_classes()
     layers, rejected = [], []
     for name, module in named:
@@ -317,12 +323,6 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     # does not recognise (the fallback, warned about).
     inside = tuple(f"{name}." for name, _, _ in layers)
     rest = [(n, m) for n, m in named if type(m) is nn.Linear and not n.startswith(inside)]
-    for name, linear in rest:  # quantize_linears would raise after the layers were rewritten
-        if linear.weight.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"quantize_model: `model` weights must be float16, bfloat16 or float32, got "
-                f"{linear.weight.dtype} in {name}; nothing was changed"
-            )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_rejected = tuple(f"{name}." for name, _, _ in rejected)
     fallback = [(name, why) for name, _, why in rejected] + [

@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from llmsys.bench_harness import results
+from llmsys.bench_harness.arguments import non_negative_int, positive_int
 
 from .attention import ATTENTION_FUNCTIONS, naive_attention
 from .infra import accounting
-from .options import non_negative_int, positive_int
 from .progress import progress
 from .training import free_device_memory, is_out_of_memory, synchronize
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from llmsys.bench_harness import results
+from llmsys.bench_harness import arguments, results
 
 # subcommand -> module with HELP, add_arguments(parser) and run(args) -> list[results.Row]
 SUBCOMMANDS = {
@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "report":
             sub.add_argument(
                 "--device",
+                type=arguments.device,
                 default="cuda" if torch.cuda.is_available() else "cpu",
-                help="where to run (default: cuda if there is a GPU, else cpu)",
+                help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)",
             )
             sub.add_argument(
                 "--out",
@@ -95,12 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def emit(rows: list[results.Row], out: Path, name: str) -> Path:
+def emit(rows: list[results.Row], out: Path, name: str, replaced: bool | None = None) -> Path:
     """Print ``rows`` as a Markdown table and write them to ``out/<name>.csv``, saying when that
-    replaces an earlier run's file."""
+    replaces an earlier run's file (``replaced``: whether it was there before the run began,
+    for a run that writes the file as it goes; default: whether it is there now)."""
     print(results.markdown_table(rows))
     path = Path(out) / f"{name}.csv"
-    replaced = path.exists()
+    if replaced is None:
+        replaced = path.exists()
     results.write_csv(rows, path)
     note = " (replacing the previous run's; --out DIR keeps runs apart)" if replaced else ""
     print(f"\nwrote {path}{note}")
@@ -113,9 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "int8", False) and set(getattr(args, "mode", ["forward"])) != {"forward"}:
         parser.error("--int8: int8 linears are inference-only; add --mode forward")
     module = subcommand(args.command)
+    # llama and serve write their CSV after every case: look for an earlier run's before this one
+    earlier = args.command != "report" and (Path(args.out) / f"{args.command}.csv").exists()
     rows = module.run(args)
     if args.command != "report":
-        emit(rows, args.out, args.command)
+        emit(rows, args.out, args.command, replaced=earlier)
     return 0
 
 

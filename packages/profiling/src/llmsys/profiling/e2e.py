@@ -24,6 +24,7 @@ import torch
 from torch.profiler import record_function
 
 from llmsys.bench_harness import results
+from llmsys.bench_harness.arguments import non_negative_int, positive_int
 
 from .infra import accounting
 from .model import TransformerLM, use_int8_linears
@@ -31,8 +32,6 @@ from .options import (
     Variant,
     add_model_arguments,
     fill_device_defaults,
-    non_negative_int,
-    positive_int,
     variants,
 )
 from .progress import progress

@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from llmsys.bench_harness import call_times_ms, cuda_graph, results
+from llmsys.bench_harness.arguments import batch_by_tokens, non_negative_int, positive_int
 
-from .options import batch_by_tokens, non_negative_int, positive_int
 from .progress import progress
 from .training import free_device_memory, make_optimizer, synchronize
 
@@ -130,6 +130,7 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--compile-mode",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
         default="default",
         help="torch.compile mode for training (default: 'default')",
     )

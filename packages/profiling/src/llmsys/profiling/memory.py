@@ -40,13 +40,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from llmsys.bench_harness import results
+from llmsys.bench_harness.arguments import non_negative_int, positive_int
 
 from .e2e import Runner
 from .options import (
     add_model_arguments,
     fill_device_defaults,
-    non_negative_int,
-    positive_int,
     variants,
 )
 from .progress import progress

@@ -11,6 +11,8 @@ import dataclasses
 
 import torch
 
+from llmsys.bench_harness.arguments import positive_int
+
 from .config import ATTENTION, FFN, LOSS, NORM, ROPE, SIZES, ModelConfig
 from .training import DTYPES, OPTIMIZERS
 
@@ -121,33 +123,6 @@ presets (--preset NAME ...; a part switch given with a preset overrides it):
   (none)    the part switches alone (unset: {Variant.attention} attention, {Variant.ffn} FFN,
             eager norm, rope and loss, no torch.compile: the provider `{Variant().label}`)
 """
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse names the option in its error)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an int >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
-
-
-def batch_by_tokens(text: str) -> tuple[int, int]:
-    """argparse type: a batch as ``BxT`` (sequences x tokens), both >= 1."""
-    try:
-        batch, tokens = (int(n) for n in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be BxT, like 8x512; got {text!r}") from None
-    if batch < 1 or tokens < 1:
-        raise argparse.ArgumentTypeError(f"needs B and T >= 1, got {text!r}")
-    return batch, tokens
 
 
 def add_model_arguments(

@@ -24,6 +24,13 @@ import argparse
 import math
 import sys
 
+from llmsys.bench_harness.arguments import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
+
 from .config import SIZES, ModelConfig
 from .infra import collectives, memory_model, roofline, roofline_check
 from .infra.hardware import GB, HARDWARE, TB, TFLOPS, US, HardwareSpec, lookup
@@ -36,7 +43,7 @@ def _hardware_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"built-in spec, one of {', '.join(HARDWARE)}, or a name containing one"
         " (default H100, the SXM part)",
     )
-    rate, time = _positive_float, _non_negative_float
+    rate, time = positive_float, non_negative_float
     group.add_argument("--bandwidth-tbs", type=rate, help="your own: memory bandwidth, TB/s")
     group.add_argument("--tflops", type=rate, help="your own: FLOP/s for every precision, TFLOP/s")
     group.add_argument("--min-kernel-us", type=time, help="minimum kernel time, us")
@@ -90,10 +97,10 @@ def _shape_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--size", default="small", choices=list(SIZES), help="a ModelConfig size")
     group.add_argument(
-        "--context", type=_positive_int, default=1024, help="context length (default 1024)"
+        "--context", type=positive_int, default=1024, help="context length (default 1024)"
     )
     group.add_argument(
-        "--ffn", type=_positive_int, nargs=3, metavar=("D_MODEL", "D_FF", "LAYERS"),
+        "--ffn", type=positive_int, nargs=3, metavar=("D_MODEL", "D_FF", "LAYERS"),
         help="an FFN-only model instead of --size",
     )  # fmt: skip
     group.add_argument(
@@ -108,7 +115,7 @@ def _memory_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default="fsdp", choices=memory_model.STRATEGIES)
     parser.add_argument(
         "--tokens-per-device",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         help="micro-batch tokens per device for activations (default 0: none)",
     )
@@ -248,34 +255,6 @@ def cmd_check(args: argparse.Namespace) -> None:
         print(roofline_check.markdown(checks) + "\n")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative int, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not 0 < value < math.inf:  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmsys-roofline",
@@ -296,58 +275,66 @@ def build_parser() -> argparse.ArgumentParser:
     sub = add("hardware", cmd_hardware, "the built-in GPU specs and their sources")
     sub = add("matmul", cmd_matmul, "C = A @ B with A (m, k) and B (k, n)")
     for dim in ("m", "n", "k"):
-        sub.add_argument(f"-{dim}", type=_positive_int, required=True)
+        sub.add_argument(f"-{dim}", type=positive_int, required=True)
     sub.add_argument("--dtype", default="bf16", choices=dtypes)
     sub = add("linear", cmd_linear, "Linear layers (no bias) applied to x (tokens, in)")
-    sub.add_argument("--tokens", type=_positive_int, required=True, help="rows of x")
-    sub.add_argument("--in", dest="inp", type=_positive_int, required=True, help="in_features")
+    sub.add_argument("--tokens", type=positive_int, required=True, help="rows of x")
+    sub.add_argument("--in", dest="inp", type=positive_int, required=True, help="in_features")
     sub.add_argument(
         "--out",
         dest="outs",
-        type=_positive_int,
+        type=positive_int,
         nargs="+",
         required=True,
         help="out_features, one per layer (several: one kernel each, summed)",
     )
     sub.add_argument("--dtype", default="bf16", choices=dtypes)
     sub = add("elementwise", cmd_elementwise, "an elementwise op or a reduction")
-    sub.add_argument("--shape", type=_positive_int, nargs="+", required=True, help="tensor shape")
-    sub.add_argument("--inputs", type=int, default=1, help="tensors read (default 1)")
-    sub.add_argument("--outputs", type=int, default=1, help="tensors written (default 1)")
-    sub.add_argument("--flops-per-element", type=float, default=1.0)
-    sub.add_argument("--reduce-to", type=int, help="a reduction to this many outputs instead")
+    sub.add_argument("--shape", type=positive_int, nargs="+", required=True, help="tensor shape")
+    sub.add_argument("--inputs", type=non_negative_int, default=1, help="tensors read (default 1)")
+    sub.add_argument(
+        "--outputs", type=non_negative_int, default=1, help="tensors written (default 1)"
+    )
+    sub.add_argument("--flops-per-element", type=non_negative_float, default=1.0)
+    sub.add_argument(
+        "--reduce-to", type=positive_int, help="a reduction to this many outputs instead"
+    )
     sub.add_argument("--dtype", default="bf16", choices=list(roofline.DTYPE_BYTES))
     sub = add("attention", cmd_attention, "a FlashAttention forward: prefill or decode")
-    sub.add_argument("--batch", type=_positive_int, default=1)
-    sub.add_argument("--heads", type=_positive_int, required=True)
-    sub.add_argument("--kv-heads", type=_positive_int, help="key/value heads (default --heads)")
-    sub.add_argument("--q-len", type=_positive_int, required=True, help="1 for decode")
-    sub.add_argument("--kv-len", type=_positive_int, help="keys (default --q-len: prefill)")
-    sub.add_argument("--head-dim", type=_positive_int, default=128)
+    sub.add_argument("--batch", type=positive_int, default=1)
+    sub.add_argument("--heads", type=positive_int, required=True)
+    sub.add_argument("--kv-heads", type=positive_int, help="key/value heads (default --heads)")
+    sub.add_argument("--q-len", type=positive_int, required=True, help="1 for decode")
+    sub.add_argument("--kv-len", type=positive_int, help="keys (default --q-len: prefill)")
+    sub.add_argument("--head-dim", type=positive_int, default=128)
     sub.add_argument("--no-causal", action="store_true")
     sub.add_argument("--dtype", default="bf16", choices=dtypes)
     sub = add("h2d", cmd_h2d, "a pinned host-to-device copy")
-    sub.add_argument("--mb", type=float, required=True, help="megabytes (1e6 bytes)")
+    sub.add_argument("--mb", type=positive_float, required=True, help="megabytes (1e6 bytes)")
     sub = add("collective", cmd_collective, "a collective with the alpha-beta model")
     sub.add_argument("collective", choices=collectives.COLLECTIVES)
-    sub.add_argument("--mb", type=float, required=True, help="tensor megabytes (1e6 bytes)")
-    sub.add_argument("--gpus-per-node", type=_positive_int, default=8)
-    sub.add_argument("--nodes", type=_positive_int, default=1)
+    sub.add_argument(
+        "--mb", type=positive_float, required=True, help="tensor megabytes (1e6 bytes)"
+    )
+    sub.add_argument("--gpus-per-node", type=positive_int, default=8)
+    sub.add_argument("--nodes", type=positive_int, default=1)
     sub.add_argument("--algorithm", nargs="+", default=list(collectives.ALGORITHMS),
                      choices=collectives.ALGORITHMS)  # fmt: skip
     sub = add("memory", cmd_memory, "training memory per device", hardware=False)
     _memory_arguments(sub)
-    sub.add_argument("--devices", type=_positive_int, nargs="+", default=[1])
+    sub.add_argument("--devices", type=positive_int, nargs="+", default=[1])
     sub = add("min-devices", cmd_min_devices, "the fewest devices that fit a budget", False)
     _memory_arguments(sub)
-    sub.add_argument("--budget-gb", type=float, required=True, help="GB (1e9 bytes) per device")
+    sub.add_argument(
+        "--budget-gb", type=positive_float, required=True, help="GB (1e9 bytes) per device"
+    )
     sub.add_argument("--include", default="state", choices=("state", "total"),
                      help="model state only (default) or also activations")  # fmt: skip
     sub = add("hiding", cmd_hiding, "the per-device batch at which FSDP/TP communication hides")
     _shape_arguments(sub)
     sub.add_argument("--strategy", default="fsdp", choices=("fsdp", "zero3", "tp"))
-    sub.add_argument("--gpus-per-node", type=_positive_int, default=8)
-    sub.add_argument("--nodes", type=_positive_int, default=1)
+    sub.add_argument("--gpus-per-node", type=positive_int, default=8)
+    sub.add_argument("--nodes", type=positive_int, default=1)
     sub = add("check", cmd_check, "predicted vs measured for a results CSV", hardware=False)
     sub.add_argument("csv", nargs="+", help="results CSVs in the shared schema")
     return parser

@@ -57,9 +57,9 @@ import torch
 from torch import nn
 
 from llmsys.bench_harness import call_times_ms, cuda_graph, results
+from llmsys.bench_harness.arguments import batch_by_tokens, non_negative_int, positive_int
 
 from .llama import LLAMA, LLAMA_8B, TINY, _transformers, build_llama
-from .options import batch_by_tokens, non_negative_int, positive_int
 from .progress import progress
 from .training import synchronize
 
@@ -234,7 +234,7 @@ def run(args) -> list[results.Row]:
 
     prefill, decode, gen = given("prefill"), given("decode"), given("generate")
     context, new = given("context"), given("generate_tokens")
-    if context + 3 + new > sizes["max_position_embeddings"]:
+    if gen and context + 3 + new > sizes["max_position_embeddings"]:  # only if generate runs
         raise SystemExit(f"--context {context} leaves no room for generate's tokens")
     if on_cuda:
         allow_a_compile_per_layer()

@@ -50,6 +50,10 @@ def matmul_precision(dtype: str, *, always_tf32: bool = False) -> str:
     always does (``always_tf32``, e.g. Triton's fp32 dots), else "fp32"."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"matmul_precision: `dtype` must be 'bf16' or 'fp32', got {dtype!r}")
+    if not isinstance(always_tf32, bool):
+        raise TypeError(
+            f"matmul_precision: `always_tf32` must be a bool, got {type(always_tf32).__name__}"
+        )
     if dtype == "bf16":
         return "bf16"
     return "tf32" if always_tf32 or torch.backends.cuda.matmul.allow_tf32 else "fp32"

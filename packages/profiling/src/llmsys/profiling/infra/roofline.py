@@ -231,6 +231,8 @@ def attention(
         :class:`OpCost` with ``4 * batch * heads * pairs * head_dim`` FLOPs (q k^T and p v) and
         ``batch * (2 heads q_len + 2 kv_heads kv_len) * head_dim * bytes(dtype)`` bytes.
     """
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention: `causal` must be a bool, got {type(causal).__name__}")
     kv_heads = heads if kv_heads is None else kv_heads
     sizes = {"batch": batch, "heads": heads, "q_len": q_len, "kv_len": kv_len}
     sizes |= {"head_dim": head_dim, "kv_heads": kv_heads}
