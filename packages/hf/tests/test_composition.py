@@ -358,17 +358,17 @@ def train_steps(model, optimizer, tokens, labels, finish=None):
         optimizer.step()
 
 
-def check_wrapper(rank, world_size, operation, rewrite):
+def check_wrapper(rank, world_size, operation, rewrite, device="cpu"):
     from llmsys.ddp import FSDP, DDPBucketed
     from llmsys.sharded_optim import ShardedOptimizer
 
-    tokens, labels = batch(ignored=False)  # as many labels per rank: the mean of the means
+    tokens, labels = (t.to(device) for t in batch(ignored=False))  # as many labels per rank
     mine = slice(rank * len(tokens) // world_size, (rank + 1) * len(tokens) // world_size)
-    expected = build("llama")
+    expected = build("llama").to(device)
     train_steps(expected, torch.optim.SGD(expected.parameters(), lr=0.1), tokens, labels)
 
     def run():
-        model = rewritten(rewrite)
+        model = rewritten(rewrite).to(device)
         if operation.startswith("FSDP"):
             wrapped = FSDP(model)
             optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
@@ -390,7 +390,7 @@ def check_wrapper(rank, world_size, operation, rewrite):
     outcome_of(operation, rewrite, run)
 
 
-def check_profiling_model(rank, world_size, operation):
+def check_profiling_model(rank, world_size, operation, device="cpu"):
     """The profiling TransformerLM with its fused loss (which reads the output layer's weight
     in the model's forward) under each wrapper trains as one process."""
     from llmsys.ddp import FSDP, DDPBucketed
@@ -403,18 +403,18 @@ def check_profiling_model(rank, world_size, operation):
         loss="fused",
     )  # fmt: skip
     generator = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, 61, (4, 16), generator=generator)
-    targets = torch.randint(0, 61, (4, 16), generator=generator)
+    tokens = torch.randint(0, 61, (4, 16), generator=generator).to(device)
+    targets = torch.randint(0, 61, (4, 16), generator=generator).to(device)
     mine = slice(rank * 2, rank * 2 + 2)
     torch.manual_seed(0)
-    expected = TransformerLM(config)
+    expected = TransformerLM(config).to(device)
     optimizer = torch.optim.SGD(expected.parameters(), lr=0.1)
     for _ in range(STEPS):
         optimizer.zero_grad()
         expected(tokens, targets).backward()
         optimizer.step()
     torch.manual_seed(0)
-    model = TransformerLM(config)
+    model = TransformerLM(config).to(device)
     wrapped = FSDP(model) if operation.startswith("FSDP") else DDPBucketed(model)
     optimizer = (
         ShardedOptimizer(wrapped.parameters(), torch.optim.SGD, lr=0.1)
@@ -449,6 +449,37 @@ def two_ranks():
 @pytest.mark.parametrize("operation", DISTRIBUTED)
 def test_wrapper(two_ranks, operation, rewrite):
     two_ranks.check(f"{operation} | {rewrite}")
+
+
+@pytest.mark.gpu
+def test_training_pairs_under_nccl_on_two_gpus():
+    """The wrappers' training pairs (``apply_llmsys`` and the profiling model) with NCCL, one
+    GPU per rank, the kernels compiled by Triton."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs for one NCCL rank each")
+    checks = {}
+    for op in DISTRIBUTED:
+        checks[f"{op} | apply_llmsys"] = (
+            check_wrapper, {"operation": op, "rewrite": "apply_llmsys", "device": "cuda"}
+        )  # fmt: skip
+        checks[f"{op} | profiling"] = (check_profiling_model, {"operation": op, "device": "cuda"})
+    ranks = run_in_turn(checks, world_size=2, timeout=600, backend="nccl")
+    for name in checks:
+        ranks.check(name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rewrite", ["quantize_model", "quantize_linears"])
+def test_generate_replays_a_cuda_graph_after_the_int8_rewrites(rewrite):
+    """``generate``'s CUDA-graph decode over each serving rewrite: the tokens of the same model
+    decoding eagerly without a cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = build("llama").to("cuda", torch.float16).eval()
+    REWRITES[rewrite](model)
+    prompt = batch()[0][:, :4].cuda()
+    got = generate(model, prompt, 4, cuda_graph=True)
+    assert torch.equal(got, greedy(model, prompt, 4))
 
 
 # --- the README ---------------------------------------------------------------------------------
