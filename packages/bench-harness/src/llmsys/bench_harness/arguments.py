@@ -24,7 +24,11 @@ __all__ = [
 
 
 def positive_int(text: str) -> int:
-    """An int >= 1."""
+    """An int >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is an int below 1.
+    """
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
@@ -32,7 +36,11 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
-    """An int >= 0."""
+    """An int >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is a negative int.
+    """
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
@@ -40,7 +48,11 @@ def non_negative_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """A finite number > 0 (NaN is refused too)."""
+    """A finite number > 0 (NaN is refused too).
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is a number that is not finite and > 0.
+    """
     value = float(text)
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
@@ -48,7 +60,11 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
+    """A finite number >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is a number that is not finite and >= 0.
+    """
     value = float(text)
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
@@ -56,7 +72,11 @@ def non_negative_float(text: str) -> float:
 
 
 def batch_by_tokens(text: str) -> tuple[int, int]:
-    """A batch as ``BxT`` (sequences x tokens), both >= 1."""
+    """A batch as ``BxT`` (sequences x tokens), both >= 1.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not ``BxT`` with both >= 1.
+    """
     try:
         batch, tokens = (int(n) for n in text.lower().split("x"))
     except ValueError:
@@ -69,7 +89,11 @@ def batch_by_tokens(text: str) -> tuple[int, int]:
 def device(text: str) -> str:
     """A device this machine can run a benchmark on: ``cpu``, or ``cuda``/``cuda:N`` where there
     are more than N GPUs (``meta``, another device type or a GPU that is not there is refused
-    here, not by the first tensor made on it). Returns ``text`` as given."""
+    here, not by the first tensor made on it). Returns ``text`` as given.
+
+    Raises:
+        argparse.ArgumentTypeError: ``text`` is not such a device.
+    """
     try:
         parsed = torch.device(text)
     except (RuntimeError, TypeError):

@@ -80,6 +80,9 @@ def time_ms(
     state a layer of a model meets after the layer before read its weights. A memory-bound
     call reading tens of MB is 10-20% slower after a write (the decode GEMM on an H100).
     On CPU: wall clock over repeated calls after a warm-up, for smoke runs only (no flush).
+
+    Raises:
+        ValueError: ``flush_by`` is not "write" or "read".
     """
     if flush_by not in ("write", "read"):
         raise ValueError(f"flush_by must be 'write' or 'read', got {flush_by!r}")
@@ -141,6 +144,11 @@ def cuda_graph(fn: Callable[[], object], *, calls: int = 1, warmup: int = 3) -> 
     ``warmup`` calls run first on a side stream (compiling, tuning and allocating outside the
     capture, as torch's CUDA-graph notes ask). ``fn`` must be capturable: no host sync, and its
     inputs and outputs at fixed addresses (a replay rewrites the same output tensors).
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: ``calls`` is not an int >= 1 or ``warmup`` not an int >= 0.
+        RuntimeError: there is no CUDA device.
     """
     _check_calls(fn, calls=(calls, 1), warmup=(warmup, 0))
     if not torch.cuda.is_available():
@@ -488,8 +496,11 @@ def plot_vs_baseline(
 
 def torchrun(script: Path, processes: int, arguments: list[str]) -> None:
     """Run a benchmark ``script`` on ``processes`` torchrun ranks of this host (a free port, this
-    process's import path as PYTHONPATH, the environment otherwise unchanged, NCCL_* included);
-    RuntimeError with the ranks' output if it fails."""
+    process's import path as PYTHONPATH, the environment otherwise unchanged, NCCL_* included).
+
+    Raises:
+        RuntimeError: the run fails; the message holds the ranks' output.
+    """
     import os
     import socket
     import subprocess

@@ -55,6 +55,12 @@ class DataParallelBase(nn.Module):
         module: the model; it stays reachable as ``.module`` and ``forward`` runs it.
         process_group: the ranks that share the work (default: the whole world). Without an
             initialized process group (a plain ``python`` run) the wrapper is one rank of one.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or ``process_group`` not a process group.
+        ValueError: ``module`` is already wrapped (``remove_hooks()`` first), its parameters
+            are on more than one device, this process is not in ``process_group``, or the
+            ranks' models differ.
     """
 
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):

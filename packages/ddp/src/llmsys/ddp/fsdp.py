@@ -195,6 +195,11 @@ class FSDP(DataParallelBase):
     Call ``finish_gradient_synchronization()`` after ``backward()`` and before the optimizer
     step. ``gather_full_params()``, ``state_dict()`` and ``load_state_dict()`` work with full
     tensors under the unwrapped module's names; every rank must call them (they communicate).
+
+    Raises:
+        TypeError: ``blocks_per_gather`` is not an int, ``compute_dtype`` not None or a floating
+            dtype; and as :class:`~llmsys.ddp.base.DataParallelBase`.
+        ValueError: ``blocks_per_gather`` < 1; and as :class:`~llmsys.ddp.base.DataParallelBase`.
     """
 
     def __init__(
@@ -310,7 +315,11 @@ class FSDP(DataParallelBase):
         return {name: self._gather_full(param) for name, param in self.module.named_parameters()}
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The unwrapped module's full state dict (parameters gathered, on the CPU)."""
+        """The unwrapped module's full state dict (parameters gathered, on the CPU).
+
+        Raises:
+            TypeError: ``keep_vars`` is not a bool.
+        """
         _check_flags("FSDP.state_dict", keep_vars=keep_vars)
         out = {} if destination is None else destination
         for name, value in self.module.state_dict(keep_vars=True).items():
@@ -320,7 +329,13 @@ class FSDP(DataParallelBase):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (from ``state_dict()`` on any world size, or an unwrapped
-        model's) into this rank's slices and replicated parameters."""
+        model's) into this rank's slices and replicated parameters.
+
+        Raises:
+            TypeError: ``strict`` or ``assign`` is not a bool.
+            ValueError: ``assign=True``, or a sharded parameter's entry is not a tensor of its
+                full shape.
+        """
         _check_flags("FSDP.load_state_dict", strict=strict, assign=assign)
         if assign:
             raise ValueError("FSDP.load_state_dict: assign=True is not supported")
@@ -343,7 +358,12 @@ class FSDP(DataParallelBase):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient so that their global 2-norm (all slices and the replicated
         parameters) is at most ``max_norm``; returns the norm before clipping. Call it after
-        ``finish_gradient_synchronization()``."""
+        ``finish_gradient_synchronization()``.
+
+        Raises:
+            TypeError: ``max_norm`` is not a number.
+            ValueError: ``max_norm`` is not > 0 (NaN included).
+        """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
             raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}")
         if not max_norm > 0:
@@ -367,6 +387,11 @@ class FSDP(DataParallelBase):
         return norm
 
     def remove_hooks(self) -> None:
+        """Not supported: the parameters stay sharded for good.
+
+        Raises:
+            NotImplementedError: always.
+        """
         raise NotImplementedError(
             "FSDP shards the module's parameters in place; to use the model without it, load "
             "fsdp.state_dict() into a freshly built model"

@@ -43,6 +43,9 @@ class DDPNaive(DataParallelBase):
     Args:
         module: the model (reachable as ``.module``).
         process_group: the ranks to average over (default: all).
+
+    Raises:
+        TypeError, ValueError: as :class:`~llmsys.ddp.base.DataParallelBase`.
     """
 
     def _synchronize(self) -> None:
@@ -59,6 +62,9 @@ class DDPFlat(DataParallelBase):
     Args:
         module: the model (reachable as ``.module``).
         process_group: the ranks to average over (default: all).
+
+    Raises:
+        TypeError, ValueError: as :class:`~llmsys.ddp.base.DataParallelBase`.
     """
 
     def _synchronize(self) -> None:
@@ -191,6 +197,9 @@ class DDPIndividualParameters(_OverlappedDataParallel):
     Args:
         module: the model (reachable as ``.module``).
         process_group: the ranks to average over (default: all).
+
+    Raises:
+        TypeError, ValueError: as :class:`~llmsys.ddp.base.DataParallelBase`.
     """
 
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):
@@ -213,6 +222,12 @@ class DDPBucketed(_OverlappedDataParallel):
             summed in bfloat16 and the mean is written back in float32, as torch DDP's
             ``bf16_compress_hook`` does.
         process_group: the ranks to average over (default: all).
+
+    Raises:
+        TypeError: ``bucket_size_mb`` is not a number, ``grad_dtype`` not None or a floating
+            dtype; and as :class:`~llmsys.ddp.base.DataParallelBase`.
+        ValueError: ``bucket_size_mb`` is not finite and positive; and as
+            :class:`~llmsys.ddp.base.DataParallelBase`.
     """
 
     def __init__(

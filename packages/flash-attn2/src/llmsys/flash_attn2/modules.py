@@ -21,6 +21,10 @@ class FlashSelfAttention(nn.Module):
         device, dtype: for the projection weights.
 
     Shapes: ``x`` (B, N, d_model) -> (B, N, d_model). No biases.
+
+    Raises:
+        ValueError: a size is not a positive int, ``n_heads`` does not divide ``d_model`` or
+            ``n_kv_heads`` does not divide ``n_heads``.
     """
 
     def __init__(

@@ -26,6 +26,10 @@ class LlamaStyleRMSNorm(nn.Module):
 
     ``forward(hidden_states, residual=None)`` returns ``rms_norm(hidden_states, weight, eps)``,
     or with ``residual`` the pair ``(normalised, hidden_states + residual)``.
+
+    Raises:
+        TypeError: ``dtype`` is not None, float16, bfloat16 or float32.
+        ValueError: ``hidden_size`` is not a positive int.
     """
 
     def __init__(

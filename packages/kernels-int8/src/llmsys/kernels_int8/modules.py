@@ -46,6 +46,11 @@ class Int8Linear(nn.Module):
     or None. Build one from a float layer with :meth:`from_float`.
 
     Shapes: ``x`` (..., K) float16/bfloat16/float32 -> (..., N) in ``x.dtype``.
+
+    Raises:
+        TypeError: ``dtype`` is not float16, bfloat16 or float32, or ``check_finite`` is not a
+            bool.
+        ValueError: ``in_features`` or ``out_features`` is not a positive int.
     """
 
     def __init__(
@@ -91,6 +96,11 @@ class Int8Linear(nn.Module):
 
         Returns:
             An ``Int8Linear`` on the weight's device, ``weight_scale`` in the weight's dtype.
+
+        Raises:
+            TypeError: ``linear`` is not an ``nn.Linear`` with a float16, bfloat16 or float32
+                weight, or ``check_finite`` is not a bool.
+            ValueError: ``check_finite=True`` and a weight row holds a NaN or Inf.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(
@@ -120,6 +130,14 @@ class Int8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + bias`` in ``x.dtype``.
+
+        Raises:
+            TypeError: ``x`` is not a float16, bfloat16 or float32 tensor.
+            ValueError: ``x``'s last dim is not ``in_features``, or ``check_finite`` is on and
+                a row of ``x`` holds a NaN or Inf.
+            RuntimeError: grad mode is on and ``x`` requires grad (inference-only).
+        """
         if not (type(x) is torch.Tensor and x.dtype in _FLOAT_DTYPES):
             checks.tensor("Int8Linear", "x", x, ops.FLOAT_DTYPES)
         if x.requires_grad and torch.is_grad_enabled():
@@ -163,6 +181,7 @@ class Int8Linear(nn.Module):
         Raises:
             TypeError, ValueError: as :func:`matmul_int8`, naming ``a`` (``q``) and ``a_scale``
                 (``scale``).
+            RuntimeError: grad mode is on and ``scale`` requires grad (inference-only).
         """
         checks.tensors("matmul_int8", a=q, a_scale=scale)  # before the dispatcher's own error
         if scale.requires_grad and torch.is_grad_enabled():

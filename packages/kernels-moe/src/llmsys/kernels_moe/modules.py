@@ -31,6 +31,9 @@ class MoEFeedForward(nn.Module):
 
     Shapes: ``x`` (..., d_model) -> (..., d_model). The forward syncs with the host once (the
     group sizes for the per-expert matmuls), plus the permute's own sync.
+
+    Raises:
+        ValueError: a size is not a positive int, or ``topk`` is above ``num_experts``.
     """
 
     def __init__(

@@ -127,7 +127,12 @@ class ModelConfig:
     def named(cls, size: str, **overrides) -> ModelConfig:
         """The config of a named size (a key of ``SIZES``: ``tiny``, ``small``, ``medium``,
         ``large``, ``xl``, ``2.7B``), with any field overridden:
-        ``ModelConfig.named("xl", attention="flash")``."""
+        ``ModelConfig.named("xl", attention="flash")``.
+
+        Raises:
+            ValueError: ``size`` is not a key of ``SIZES``, or an override is not a valid value
+                of its field (see the class).
+        """
         if size not in SIZES:
             raise ValueError(
                 f"ModelConfig.named: `size` must be one of {list(SIZES)}, got {size!r}"

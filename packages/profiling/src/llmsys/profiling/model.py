@@ -258,6 +258,10 @@ class TransformerLM(nn.Module):
     ``config.loss == "fused"`` computed by ``llmsys.kernels_fused.linear_cross_entropy`` from
     the final hidden states, without building the logits.
     Weights start from a normal of std 0.02 (MoE experts keep their own init); norms at 1.
+
+    Raises:
+        TypeError: ``config`` is not a ``ModelConfig``, ``check_tokens`` not a bool, or
+            ``dtype`` not None or a floating dtype.
     """
 
     def __init__(
@@ -299,6 +303,13 @@ class TransformerLM(nn.Module):
                 nn.init.trunc_normal_(module.weight, std=INIT_STD, a=-3 * INIT_STD, b=3 * INIT_STD)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits, or with ``targets`` the loss (see the class).
+
+        Raises:
+            TypeError: ``tokens`` is not an int32 or int64 tensor, ``targets`` not an int64 one.
+            ValueError: ``tokens`` is not (batch, seq) with seq <= ``context_length``,
+                ``targets`` not of its shape, or (``check_tokens``) an id is out of range.
+        """
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int32, torch.int64):
             raise TypeError(
                 "TransformerLM: `tokens` must be an int32/int64 tensor, got "
@@ -399,9 +410,12 @@ def use_int8_linears(model: TransformerLM) -> TransformerLM:
     """Swap every linear layer for ``llmsys.kernels_int8.Int8Linear`` (inference only, in place).
 
     Call it on a model already in its inference dtype (float16 or bfloat16); the router of an MoE
-    variant stays in floating point (its logits pick the experts). A model with the fused loss
-    is refused (ValueError): that loss needs ``lm_head``'s floating-point weight, and anything
-    but a ``TransformerLM`` (TypeError naming ``model``).
+    variant stays in floating point (its logits pick the experts).
+
+    Raises:
+        TypeError: ``model`` is not a ``TransformerLM``.
+        ValueError: ``model`` has the fused loss, which needs ``lm_head``'s floating-point
+            weight.
     """
     from llmsys.kernels_int8 import quantize_linears
 

@@ -66,6 +66,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         rank, world_size: this process's place in the default group ((0, 1) without one).
         ownership: the :class:`~llmsys.sharded_optim.Ownership` (owner of each global index).
         local_optimizer: the ``optimizer_cls`` instance over the owned parameters.
+
+    Raises:
+        TypeError: ``optimizer_cls`` is not a ``torch.optim.Optimizer`` subclass (or is
+            ``ShardedOptimizer``), or ``params`` does not hold tensors or param-group dicts.
+        ValueError: a parameter is not a leaf or is in two groups, or the ranks' parameters
+            differ (shapes, dtypes, order or values; CPU parameters under NCCL).
     """
 
     def __init__(
@@ -209,6 +215,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
         Args:
             to: the rank that receives the state, in ``0..world_size-1``. Default 0.
+
+        Raises:
+            ValueError: ``to`` is not a rank in ``0..world_size-1``.
         """
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < self.world_size:
             raise ValueError(
@@ -232,6 +241,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             indices]}``: the format of ``optimizer_cls(all params).state_dict()``, state tensors
             on CPU, options as they are now. It loads into a :class:`ShardedOptimizer` of any
             world size or into a plain ``optimizer_cls``.
+
+        Raises:
+            RuntimeError: :meth:`consolidate_state_dict` did not gather the state on this rank
+                since the last ``step``, ``add_param_group`` or ``load_state_dict``.
         """
         if self._consolidated is None:
             where = (

@@ -35,6 +35,11 @@ class Ownership:
         world_size: the number of ranks N (>= 1).
         owners: ``owners[i]`` is the rank that owns parameter ``i`` (in 0..N-1).
         loads: ``loads[r]`` is the number of elements rank ``r`` owns.
+
+    Raises:
+        TypeError: ``owners`` or ``loads`` is not a tuple.
+        ValueError: ``world_size`` is not a positive int, an owner not a rank in 0..N-1, or
+            ``loads`` not N non-negative ints.
     """
 
     world_size: int

@@ -22,6 +22,9 @@ def tensor(op: str, name: str, value, dtypes=None, kind: str | None = None) -> N
 
     The dtype message lists the allowed dtypes, or says ``must have {kind} dtype`` when ``kind``
     (e.g. ``"a floating"``) is given.
+
+    Raises:
+        TypeError: ``value`` is not a tensor, or its dtype is not in ``dtypes``.
     """
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(value).__name__}")
@@ -35,6 +38,9 @@ def tensors(op: str, optional: Iterable[str] = (), **values) -> None:
 
     For the public functions, before the dispatcher: its own schema error is a RuntimeError that
     names no argument.
+
+    Raises:
+        TypeError: a value is not a tensor (nor None where optional).
     """
     for name, value in values.items():
         if value is None and name in optional:
@@ -43,6 +49,11 @@ def tensors(op: str, optional: Iterable[str] = (), **values) -> None:
 
 
 def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``t`` of ``ref``'s dtype.
+
+    Raises:
+        TypeError: the dtypes differ.
+    """
     if t.dtype != ref.dtype:
         raise TypeError(
             f"{op}: `{name}` must have the dtype of `{ref_name}` ({ref.dtype}), got {t.dtype}"
@@ -50,6 +61,11 @@ def same_dtype(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Te
 
 
 def same_shape(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``t`` of ``ref``'s shape.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
     if t.shape != ref.shape:
         raise ValueError(
             f"{op}: `{name}` must have the shape of `{ref_name}` ({tuple(ref.shape)}), "
@@ -58,7 +74,11 @@ def same_shape(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Te
 
 
 def same_device(op: str, name: str, t: torch.Tensor | None, ref_name: str, ref) -> None:
-    """``t`` (skipped when None) on ``ref``'s device, else ``ValueError``."""
+    """``t`` (skipped when None) on ``ref``'s device.
+
+    Raises:
+        ValueError: the devices differ.
+    """
     if t is not None and t.device != ref.device:
         raise ValueError(
             f"{op}: `{name}` must be on the device of `{ref_name}` ({ref.device}), got {t.device}"
@@ -73,6 +93,10 @@ def integer(op: str, name: str, value, minimum: int, maximum: int = INT64_MAX) -
 
     The default ``maximum`` is int64's: past it the dispatcher's own error ("Expected a value
     of type 'int' ... found type 'int'") names no argument.
+
+    Raises:
+        TypeError: ``value`` is not an int (a bool is not one).
+        ValueError: ``value`` is below ``minimum`` or above ``maximum``.
     """
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{op}: `{name}` must be an int, got {type(value).__name__}")
@@ -84,12 +108,20 @@ def integer(op: str, name: str, value, minimum: int, maximum: int = INT64_MAX) -
 
 
 def flag(op: str, name: str, value) -> None:
-    """A ``bool`` (not a truthy string or None), else ``TypeError``."""
+    """A ``bool`` (not a truthy string or None).
+
+    Raises:
+        TypeError: ``value`` is not a bool.
+    """
     if type(value) is not bool:
         raise TypeError(f"{op}: `{name}` must be a bool, got {type(value).__name__}")
 
 
 def positive_int(owner: str, name: str, value) -> None:
-    """A module size: an ``int`` (not a bool) of at least 1, else ``ValueError``."""
+    """A module size: an ``int`` (not a bool) of at least 1.
+
+    Raises:
+        ValueError: ``value`` is not one.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")

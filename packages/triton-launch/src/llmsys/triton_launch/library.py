@@ -141,7 +141,11 @@ def native_module():
 def forget(*ops) -> None:
     """Forget the recorded plans of ``ops`` (every op when none is named): their next calls
     record again. Call it right after changing what an impl reads besides its arguments (a
-    module switch, a patched helper, a tuner's cache), and again after restoring it."""
+    module switch, a patched helper, a tuner's cache), and again after restoring it.
+
+    Raises:
+        ValueError: an op was not made by ``define_op``.
+    """
     for op in ops or tuple(_impls):
         entry = _impls.get(op)
         if entry is None:
@@ -240,7 +244,11 @@ def _autograd_records() -> bool:
 def refuse_double_backward(name: str) -> None:
     """Call first in an ``autograd.Function``'s backward whose kernels have no backward of their
     own: a backward run with ``create_graph=True`` (grad mode on inside it) raises instead of
-    returning gradients without their graph, which would drop second-order terms silently."""
+    returning gradients without their graph, which would drop second-order terms silently.
+
+    Raises:
+        RuntimeError: grad mode is on (the backward runs with ``create_graph=True``).
+    """
     if torch.is_grad_enabled():
         raise RuntimeError(
             f"{name}: double backward is not supported (backward ran with create_graph=True)"
@@ -252,7 +260,11 @@ def call_below_autograd(op, *args):
     or backward, or where no argument requires grad. Its impl directly when that is all the
     dispatcher would do and autograd records nothing (``_plain_call``), else the op. A backward
     run with ``create_graph=True`` (grad mode on, saved inputs requiring grad) goes through the
-    op, so its autograd sees the call as it would without this shortcut."""
+    op, so its autograd sees the call as it would without this shortcut.
+
+    Raises:
+        ValueError: ``op`` was not made by ``define_op``.
+    """
     entry = _impls.get(op)
     if entry is None:
         raise ValueError(f"call_below_autograd: `op` must be an op made by define_op, got {op}")

@@ -151,7 +151,11 @@ class HardwareSpec:
         )
 
     def peak(self, precision: str) -> float:
-        """Dense tensor-core FLOP/s in ``precision`` ("bf16", "tf32" or "fp32")."""
+        """Dense tensor-core FLOP/s in ``precision`` ("bf16", "tf32" or "fp32").
+
+        Raises:
+            ValueError: this spec has no peak for ``precision``.
+        """
         if precision not in self.matmul_flops:
             raise ValueError(
                 f"HardwareSpec({self.name}): no matmul peak for precision {precision!r}; "
