@@ -1,9 +1,11 @@
 """FlashAttention-2 in plain PyTorch and in Triton: causal, grouped-query, deterministic backward.
 
-Importing this package registers ``torch.ops.llmsys.flash_attn2_fwd`` and
-``torch.ops.llmsys.flash_attn2_bwd``.
+Importing this package registers ``torch.ops.llmsys.flash_attn2_fwd``,
+``torch.ops.llmsys.flash_attn2_bwd`` and ``torch.ops.llmsys.flash_attn2_decode`` (decode attention
+over a static KV cache, ``decode_attention``).
 """
 
+from .decode import decode_attention
 from .flash_torch import FlashAttention2Torch
 from .functional import FlashAttention2Triton, flash_attention
 from .modules import FlashSelfAttention
@@ -17,5 +19,6 @@ __all__ = [
     "FlashSelfAttention",
     "__version__",
     "attention_reference",
+    "decode_attention",
     "flash_attention",
 ]

@@ -79,3 +79,27 @@ TMA_HEAD_DIMS = (128,)
 # 100 us of kernel at 500 TFLOP/s. Below it the descriptors' host cost showed: 1x32x1024x128
 # causal (8.6 GFLOP) took 61-91 us of host time per call against SDPA's 22-31 (H100).
 TMA_MIN_FLOPS = 5e10
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """The decode kernel's launch geometry: each program reads ``chunk`` keys of one kv head
+    (``block_n`` per step); a cache of capacity C is split into ``ceil(C / chunk)`` programs per
+    (sequence, kv head)."""
+
+    chunk: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Not measured yet (issue 46 asks for the GPU sweep): a first guess, 256 keys per program so that
+# a 4k cache gives 16 splits per (sequence, kv head) and the combine pass reads a few percent of
+# the KV bytes. float32 (tests) takes smaller key tiles.
+_DECODE_16BIT = DecodeConfig(chunk=256, block_n=64)
+_DECODE_32BIT = DecodeConfig(chunk=256, block_n=32)
+
+
+def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The decode kernel's chunk and key tile for this head dim and dtype (unmeasured)."""
+    return _DECODE_32BIT if dtype == torch.float32 else _DECODE_16BIT
