@@ -519,7 +519,7 @@ def host_cost_table(root: Path) -> str:
         f"`{HOST_COST_COMMAND}` ([CSV](../profiling/benchmarks/results/host_cost_h100.csv)), and "
         f"with `LLMSYS_NATIVE_PLANS=0` for the last column "
         "([CSV](../profiling/benchmarks/results/host_cost_h100_without_native_plans.csv), "
-        "a later run on the same host: compare its ratios, not its microseconds). Host "
+        "another run, on another host: compare its ratios, not its microseconds). Host "
         "microseconds per call, loops of 50 calls "
         "without a synchronize, medians of 21, ours and the call a user makes instead taking "
         "turns in one process."

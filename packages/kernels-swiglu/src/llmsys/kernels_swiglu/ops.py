@@ -38,15 +38,19 @@ def launch_config(n_elements: int) -> tuple[int, int]:
     """(BLOCK_SIZE, num_warps) for a flat tensor of ``n_elements``.
 
     Measured kernel by kernel on an H100 (DECISIONS.md): 512 elements per program on 4 warps
-    is the fastest or within 1% of it from 105 elements to 16M at sizes with a partial last
-    program; 1024 and more made the single program of a tiny tensor 40% slower (2.4 us against
-    1.7) and the masked last program of an odd size (1000x1001) the slowest of the launch (4.2 us
-    against 2.7 at 4096). From 2**20 elements in whole programs of 4096 (1024x1024), and from
-    2**24 elements at any size, 4096 per program on 8 warps: the configuration before 0.3.0
+    is the fastest or within 1% of it up to 16M at sizes with a partial last program; 1024 and
+    more made the masked last program of an odd size (1000x1001) the slowest of the launch (4.2
+    us against 2.7 at 4096). A tensor of at most 128 elements takes one program of 128 on 4
+    warps, one element per thread: the seed's 7x3x5 ran its masked program in 1.22 us of
+    kernel time, against 1.73 us as 512 on 4 warps (the CUDA profiler, H100, 2026-12-07).
+    From 2**20 elements in whole programs of 4096 (1024x1024), and from 2**24 elements at any
+    size, 4096 per program on 8 warps: the configuration before 0.3.0
     there, which ran 1024x1024 bf16 6-11% faster than 512 (kernels-swiglu sweep, 2026-11-26).
     Code that replaces it calls ``llmsys.triton_launch.forget(swiglu_fwd, swiglu_bwd)`` after
     the change and after undoing it: a recorded replay launches the configuration it recorded.
     """
+    if n_elements <= 128:
+        return 128, 4
     if n_elements >= 1 << 24 or (n_elements >= 1 << 20 and n_elements % 4096 == 0):
         return 4096, 8
     return 512, 4
