@@ -480,7 +480,7 @@ def test_bad_input_raises_naming_the_argument(kwargs, error, pattern):
 @pytest.mark.parametrize(
     ("kwargs", "error", "pattern"),
     [
-        ({"fpa": torch.randn(3, 6).double()}, TypeError, r"`x` must have dtype"),
+        ({"fpa": torch.randn(3, 6).double()}, TypeError, r"`fpa` must have dtype"),
         ({"fpa": torch.tensor(1.0)}, ValueError, r"`fpa` must have a last dimension"),
         ({"fpa": torch.randn(3, 7)}, ValueError, r"`b` must have K = a.shape\[1\] = 7"),
         ({"out": torch.empty(3, 4)}, ValueError, r"`out` must have shape \(3, 5\)"),

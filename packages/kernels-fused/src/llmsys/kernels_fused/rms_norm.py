@@ -356,7 +356,7 @@ def _rms_norm_fwd(x, weight, eps, residual):
     check_inputs("rms_norm_fwd", x, weight, eps, residual)
     if not x.is_cuda and not CPU_RUNS_TRITON:
         return _rms_norm_fwd_eager(x, weight, eps, residual)
-    x2 = _rows(x)  # (M, N)
+    x2, weight = _rows(x), weight.contiguous()  # (M, N), (N,): the kernels read w densely
     M, N = x2.shape
     y = torch.empty(x.shape, dtype=promoted_dtype(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -402,7 +402,7 @@ def _rms_norm_bwd(grad_y, grad_s, x, weight, rstd):
     if not x.is_cuda and not CPU_RUNS_TRITON:
         dx, dweight = rms_norm_backward_reference(grad_y, grad_s, x, weight, rstd)
         return dx.contiguous(), dweight
-    x2, g2 = _rows(x), _rows(grad_y)  # (M, N)
+    x2, g2, weight = _rows(x), _rows(grad_y), weight.contiguous()  # (M, N), (M, N), (N,)
     M, N = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block_m, block_n, one_pass, num_warps = launch_config(M, N, backward=True)

@@ -212,7 +212,10 @@ def matmul_quantize_int8(
     if check_finite is not False:
         checks.flag("matmul_quantize_int8", "check_finite", check_finite)
         ops.check_finite_rows("matmul_quantize_int8", "fpa", rows)
-    q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
+    try:
+        q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
+    except (TypeError, ValueError) as error:  # the quantizer's `x` is this function's `fpa`
+        raise type(error)(str(error).replace("`x`", "`fpa`")) from error
     if out is None:
         result = matmul_int8(q, scale, b, b_scale)  # (M, N)
         return result.reshape(*lead, result.shape[1])
@@ -224,7 +227,7 @@ def matmul_quantize_int8(
             f"matmul_quantize_int8: `out` must have shape {(*lead, n)}, got {tuple(out.shape)}"
         )
     try:
-        out2d = out.view(-1, n)  # (M, N), sharing out's storage
+        out2d = out.view(rows.shape[0], n)  # (M, N) sharing out's storage; -1 fails at N = 0
     except RuntimeError as error:
         raise ValueError(
             f"matmul_quantize_int8: `out` must be viewable as (M, N); strides {out.stride()}"

@@ -128,8 +128,8 @@ def check_finite_rows(op: str, name: str, x: torch.Tensor) -> None:
     instead. It synchronizes with the device, so it is skipped where it cannot
     (:func:`can_synchronize`).
     """
-    if x.numel() == 0 or not can_synchronize(x):
-        return
+    if x.dim() == 0 or x.numel() == 0 or not can_synchronize(x):
+        return  # (a 0-d x is refused by the op's own checks, naming it)
     rows = x.reshape(-1, x.shape[-1])  # (M, K)
     bad_rows = (~torch.isfinite(rows)).any(dim=1).nonzero()  # (bad, 1)
     if len(bad_rows):
