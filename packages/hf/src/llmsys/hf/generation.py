@@ -131,8 +131,8 @@ def cached_forward(model: nn.Module, cache):
     passes the keywords this transformers version takes: ``cache`` or ``past_key_values``, and
     ``cache_position`` where the model still has it (positions from the cache's length would
     cost a host sync, and a CUDA graph could not replay them). The keywords are read from the
-    class's forward: a forward bound to the instance (``apply_llmsys``' loss) takes ``**kwargs``
-    and hands them to it."""
+    transformers class's forward (``rewrite.original_class``): ``apply_llmsys``' loss forward
+    takes ``**kwargs`` and hands them to it."""
     parameters = inspect.signature(original_class(model).forward).parameters
     key = "cache" if "cache" in parameters else "past_key_values"
     with_cache_position = "cache_position" in parameters
