@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from llmsys.triton_launch import (
     call_below_autograd,
@@ -37,6 +36,7 @@ from llmsys.triton_launch import (
     next_power_of_2,
     wants_grad,
 )
+from llmsys.triton_launch.precise import round_half_even
 
 from . import ops
 from .decode import SEQLEN_DTYPES, inference_only_error
@@ -49,17 +49,6 @@ _QMAX = tl.constexpr(float(INT8_MAX))  # Triton reads module globals only when t
 
 
 # --- kernel --------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_half_even(y, PRECISE: tl.constexpr):
-    # torch.round's rule. On a GPU, libdevice's rint (one instruction); the interpreter has no
-    # libdevice: adding and subtracting 1.5 * 2**23 rounds by float32's own round-to-nearest-even
-    # (exact for |y| < 2**22; y is clamped to 127 first).
-    if PRECISE:
-        return libdevice.rint(y)
-    else:
-        return (y + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -77,7 +66,7 @@ def _quantize_rows(src, dst, scale_ptr, rows, pos, ok, stride_sn, stride_sd, str
     scale = tl.where(amax < float("inf"), scale, float("nan"))
     nonzero = scale > 0  # a zero row (scale 0) and a non-finite one (NaN) store q = 0
     y = tl.div_rn(x, tl.broadcast_to(tl.where(nonzero, scale, 1.0)[:, None], x.shape))
-    y = _round_half_even(tl.minimum(tl.maximum(y, -_QMAX), _QMAX), PRECISE)
+    y = round_half_even(tl.minimum(tl.maximum(y, -_QMAX), _QMAX), PRECISE)  # clamped first
     q = tl.where(nonzero[:, None], y, 0.0).to(tl.int8)
     tl.store(dst + pos[:, None] * stride_dn + offs_d[None, :] * stride_dd, q, mask=mask)
     tl.store(scale_ptr + pos * stride_scale, scale, mask=ok)
