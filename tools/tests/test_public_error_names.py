@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmsys.flash_attn2 import flash_attention
+from llmsys.flash_attn2 import append_kv_int8, decode_attention, flash_attention
 from llmsys.kernels_fused import linear_cross_entropy, rotary
 from llmsys.kernels_int8 import (
     matmul_int8,
@@ -27,12 +27,28 @@ def int8(*shape):
     return torch.ones(*shape, dtype=torch.int8)
 
 
+def int8_cache():
+    """k_cache, v_cache, k_scale, v_scale of 8 slots, 2 kv heads, head dim 4."""
+    cache, scale = int8(1, 2, 8, 4), torch.zeros(1, 2, 8)
+    return cache, cache.clone(), scale, scale.clone()
+
+
 CASES = {
     "swiglu": (lambda g: swiglu(r(3, grad=g), r(4)), ValueError, r"`b` must have the shape"),
     "flash_attention": (
         lambda g: flash_attention(r(1, 2, 4, 8, grad=g), r(1, 2, 4, 8), r(1, 2, 5, 8)),
         ValueError,
         r"`v` must have the shape of `k`",
+    ),
+    "decode_attention": (
+        lambda g: decode_attention(r(1, 2, 1, 8), r(1, 2, 4, 8), r(1, 2, 5, 8), torch.tensor([2])),
+        ValueError,
+        r"`v_cache` must have the shape of `k_cache`",
+    ),
+    "append_kv_int8": (
+        lambda g: append_kv_int8(r(1, 2, 1, 4), r(1, 2, 2, 4), *int8_cache(), torch.tensor([2])),
+        ValueError,
+        r"`v_new` must have the shape of `k_new`",
     ),
     "rotary": (
         lambda g: rotary(r(1, 2, 4, 8, grad=g), r(1, 2, 4, 8), r(1, 4, 8), r(1, 5, 8)),

@@ -584,6 +584,16 @@ def decode_attention(
         raise TypeError(
             f"decode_attention: `sm_scale` must be a float or None, got {type(sm_scale).__name__}"
         )
-    return call_below_autograd(
-        flash_attn2_decode, q, k_cache, v_cache, cache_seqlens, float(sm_scale), k_scale, v_scale
-    )
+    try:
+        return call_below_autograd(
+            flash_attn2_decode,
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            float(sm_scale),
+            k_scale,
+            v_scale,
+        )
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "decode_attention") from None

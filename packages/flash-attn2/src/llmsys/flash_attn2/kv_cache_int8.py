@@ -304,6 +304,10 @@ def append_kv_int8(
     )  # fmt: skip
     if wants_grad(k_new, v_new):
         raise inference_only_error("append_kv_int8")
-    call_below_autograd(
-        flash_attn2_append_kv_int8, k_new, v_new, k_cache, v_cache, k_scale, v_scale, cache_seqlens
-    )
+    try:
+        call_below_autograd(
+            flash_attn2_append_kv_int8, k_new, v_new, k_cache, v_cache, k_scale, v_scale,
+            cache_seqlens,
+        )  # fmt: skip
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "append_kv_int8") from None
