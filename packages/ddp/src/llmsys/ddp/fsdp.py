@@ -180,10 +180,24 @@ class FSDP(DataParallelBase):
             build the same model; rank 0's values win. It stays reachable as ``.module`` and
             its 2-D parameters become this rank's slices (see the module docstring).
         compute_dtype: ``None`` (compute in the parameters' dtype) or a floating dtype such as
-            ``torch.bfloat16``: weights are cast before the all-gather (fewer bytes on the
-            wire), every parameter and floating input is used in that dtype, and the master
-            weights, the gradients the optimizer sees and its state stay in the parameters'
-            dtype. Gradients are reduced in the parameters' dtype.
+            ``torch.bfloat16`` for mixed precision, by this policy:
+
+            - a layer that holds a weight of two or more dimensions (``nn.Linear``,
+              ``nn.Embedding``, a user's matmul layer, a stack of experts) runs in
+              ``compute_dtype``, forward and backward: its floating parameters (the weight and
+              its bias) and the floating tensors passed to it are cast. Sharded weights are
+              cast before the all-gather (fewer bytes on the wire);
+            - every other layer keeps its parameters' dtype: a norm's gain stays float32 (the
+              norm's output has whatever dtype its forward makes; the next layer casts it);
+            - the master weights, the gradients the optimizer sees and its state stay in the
+              parameters' dtype: each gradient is cast to it before it is reduced, so the
+              reduce-scatter (and the replicated parameters' all-reduce) sums in float32.
+
+            Nothing else is cast: not the model's own arithmetic between layers, its buffers or
+            its outputs, and not a weight read outside its layer (a fused loss reading the
+            output layer's weight gets it in ``compute_dtype`` and must bring its input in that
+            dtype). On one process, the same policy is the model with each such layer's
+            parameters and inputs cast (``tests/test_fsdp.py``'s ``mixed_precision``).
         process_group: the ranks to shard over (default: all).
         blocks_per_gather: how many consecutive items of each innermost ``nn.ModuleList`` (a
             Transformer's layers; a list of experts too) travel together, in one all-gather and
@@ -225,6 +239,8 @@ class FSDP(DataParallelBase):
             )
         super().__init__(module, process_group=process_group)
         self.compute_dtype = compute_dtype
+        # (decided before sharding, which leaves every parameter 1-D)
+        cast_layers = [m for m in module.modules() if runs_in_compute_dtype(m)]
         self._shards: dict[nn.Parameter, _Shard] = {}
         for name, param in module.named_parameters():
             if is_sharded(param):
@@ -234,7 +250,7 @@ class FSDP(DataParallelBase):
         self._claim_module(for_good=True)  # sharded in place: never wrap it again
         # A unit: a block (an item of the innermost nn.ModuleList) or a module outside every
         # list, with the (owner, attribute, parameter) triples it gathers or casts.
-        self._units = _units(module, self._shards, replicated_cast=compute_dtype is not None)
+        self._units = _units(module, self._shards, cast_layers if compute_dtype else [])
         self._group_of = _blocks(module, [site for site, _ in self._units], blocks_per_gather)
         self._sharded_of = [
             [(o, n, p) for o, n, p in attributes if p in self._shards]
@@ -253,6 +269,8 @@ class FSDP(DataParallelBase):
             site.register_forward_pre_hook(lambda m, args, u=unit: self._running.add(u))
             for owner in dict.fromkeys(owner for owner, _, _ in attributes):
                 owner.register_forward_pre_hook(lambda m, args, u=unit: self._enter(u))
+                if compute_dtype is not None:  # (every owner runs in compute_dtype)
+                    owner.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
             site.register_forward_hook(
                 lambda m, args, out, u=unit: self._leave(u), always_call=True
             )
@@ -272,8 +290,6 @@ class FSDP(DataParallelBase):
     # -- the public contract ----------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
-        if self.compute_dtype is not None:
-            args, kwargs = tree_map(self._cast_input, (args, kwargs))
         self._position, self._last_use = 0, None
         self._finished.clear()
         # Full weights left by a block's module called on its own since the last forward may
@@ -404,6 +420,11 @@ class FSDP(DataParallelBase):
 
     def _synchronize(self) -> None:
         all_reduce_flat(self)  # the replicated parameters: few and small
+
+    def _cast_inputs(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A forward pre-hook of each layer that runs in ``compute_dtype``: its floating inputs
+        cast to it."""
+        return tree_map(self._cast_input, (args, kwargs))
 
     def _cast_input(self, value):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -718,9 +739,16 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
     ]
 
 
-def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
+def runs_in_compute_dtype(layer: nn.Module) -> bool:
+    """The mixed-precision rule: a layer that holds a weight of two or more dimensions (a
+    matmul's, a lookup's, a stack of experts') computes in ``compute_dtype``; any other (a norm,
+    whose gain is 1-D) keeps its parameters' dtype."""
+    return any(p.dim() >= 2 for p in layer.parameters(recurse=False))
+
+
+def _units(module: nn.Module, shards: dict, cast_layers: list[nn.Module]) -> list:
     """(unit module, [(owner, attribute, parameter)]) for the parameters FSDP handles: the
-    sharded ones and, when parameters are cast for compute, any floating one. An owner inside
+    sharded ones and every floating one of ``cast_layers``. An owner inside
     an item of an ``nn.ModuleList`` (the innermost one) belongs to that item's unit; the owners
     outside every list (embeddings, the final norm, the output layer) form the unit of the
     whole ``module``, full while its forward runs: a model may read them outside their own
@@ -736,11 +764,13 @@ def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
 
     visit(module, None)
     units: dict[int, tuple[nn.Module, list]] = {}
+    cast_ids = {id(layer) for layer in cast_layers}
     for owner in module.modules():
+        cast = id(owner) in cast_ids
         attributes = [
             (owner, name, p)
             for name, p in owner._parameters.items()
-            if p is not None and (p in shards or (replicated_cast and p.is_floating_point()))
+            if p is not None and (p in shards or (cast and p.is_floating_point()))
         ]
         if attributes:
             site = item_of.get(id(owner)) or module
