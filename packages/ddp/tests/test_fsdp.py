@@ -334,16 +334,16 @@ def test_three_ranks_pad_uneven_slices_and_load_a_one_rank_checkpoint(run_ranks,
 
 def count_gathers(monkeypatch) -> list[int]:
     """The number of weights in each all-gather FSDP starts from now on."""
-    from llmsys.ddp import fsdp
+    from llmsys.ddp import shards
 
     sizes = []
-    start = fsdp._Gather.__init__
+    start = shards.Gather.__init__
 
-    def counting(self, uses, dtype, owner):
-        sizes.append(len(uses))
-        start(self, uses, dtype, owner)
+    def counting(self, weights, *args):
+        sizes.append(len(weights))
+        start(self, weights, *args)
 
-    monkeypatch.setattr(fsdp._Gather, "__init__", counting)
+    monkeypatch.setattr(shards.Gather, "__init__", counting)
     return sizes
 
 
