@@ -1211,3 +1211,31 @@ def test_the_state_dict_flags_take_only_a_bool():
     with pytest.raises(TypeError, match=r"FSDP.state_dict: `keep_vars` must be a bool, got str"):
         model.state_dict(keep_vars="yes")
     model.load_state_dict(full, strict=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compute_dtype_with_the_fused_norm_and_loss_is_the_policy(dtype):
+    """The profiling model's fused loss reads lm_head's weight outside lm_head (in the compute
+    dtype under the policy), after a final norm whose float32 gain leaves float32 hidden
+    states: one SGD step on one rank is the reference's, bit for bit."""
+    from llmsys.profiling.config import ModelConfig
+    from llmsys.profiling.model import TransformerLM
+
+    config = ModelConfig(
+        vocab_size=61, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+        norm="fused", loss="fused",
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 61, (2, 16), generator=generator)
+    targets = torch.randint(0, 61, (2, 16), generator=generator)
+    torch.manual_seed(0)
+    reference = mixed_precision(TransformerLM(config), dtype)
+    torch.manual_seed(0)
+    model = FSDP(TransformerLM(config), dtype)
+    for trained in (reference, model):
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+        trained(tokens, targets).backward()
+        if trained is model:
+            model.finish_gradient_synchronization()
+        optimizer.step()
+    assert_matches(reference, model.gather_full_params(), f"fused norm and loss in {dtype}", 0.0)

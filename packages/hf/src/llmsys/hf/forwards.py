@@ -198,9 +198,10 @@ def causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0
     }
     return_dict = kwargs.pop("return_dict", None)
     outputs = self.model(input_ids, return_dict=True, **kwargs)
-    loss = causal_lm_loss(
-        outputs.last_hidden_state, head.weight, labels, lm_head_bias=head.bias, **loss_kwargs
-    )
+    # lm_head's weight read outside lm_head: its input in the weight's dtype, as lm_head would
+    # take it (FSDP's compute_dtype casts the weight; a float32 norm gain leaves float32 states)
+    hidden = outputs.last_hidden_state.to(head.weight.dtype)
+    loss = causal_lm_loss(hidden, head.weight, labels, lm_head_bias=head.bias, **loss_kwargs)
     output = _output_with_cache(
         outputs,
         loss=loss,
