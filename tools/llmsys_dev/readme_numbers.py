@@ -61,7 +61,7 @@ NUMBER = re.compile(
     r"(?<![\w.\-/])(\d+(?:,\d{3})*(?:\.\d+)?)"
     r"(x|\s?(?:ms|us|µs|tok/s|tokens/s|GB/s|TB/s|TFLOP/s|% MFU))(?![\w/])"
 )
-TARGET_WORDS = ("at most", "at least", "under", "target", "<", ">", "≤", "≥")
+TARGET_WORDS = ("at most", "at least", "under", "target", "≤", "≥")
 TARGET_REACH = 24  # characters before a number searched for a target word
 EXEMPT_BLOCKS = re.compile(r"results:[\w.-]+|install|estimate")
 BLOCK_MARKER = re.compile(r"<!-- (/?)([\w:.-]+) -->")
