@@ -489,7 +489,8 @@ def plot_vs_baseline(
         xs = list(dict.fromkeys(r.x for r in subset))
         for provider in dict.fromkeys(r.provider for r in subset):
             by_x = {r.x: r for r in subset if r.provider == provider}
-            ratio = [1 / by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
+            speedups = [by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
+            ratio = [1 / s if s else None for s in speedups]  # a gap where there is no baseline
             values = [getattr(by_x[x], field) if x in by_x else None for x in xs]
             axes[0][col].plot(xs, ratio, marker="o", label=provider)
             axes[1][col].plot(xs, values, marker="o", label=provider)
