@@ -113,8 +113,8 @@ def rms_norm_quantize(x, weight, eps, residual):
     """The op's implementation (CPU and CUDA): check, allocate, launch."""
     check_inputs("int8_rms_norm_quantize", x, weight, eps, residual)
     if not x.is_cuda and not CPU_RUNS_TRITON:
-        q, scale, *s = rms_norm_quantize_int8_reference(x, weight, eps, residual)
-        return q, scale, s[0].contiguous() if s else x.new_empty(0)
+        q, scale, *summed = rms_norm_quantize_int8_reference(x, weight, eps, residual)
+        return q, scale, summed[0].contiguous() if summed else x.new_empty(0)
     x2, weight = _rows(x), weight.contiguous()  # (M, N), (N,): the kernel reads w densely
     M, N = x2.shape
     q = torch.empty((M, N), dtype=torch.int8, device=x.device)
