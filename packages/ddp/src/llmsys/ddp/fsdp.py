@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from numbers import Integral
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,10 +58,14 @@ from .wrappers import all_reduce_flat
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
+# (owner module, attribute name, parameter), and a unit: (its module, its attributes)
+_Attribute = tuple[nn.Module, str, nn.Parameter]
+_Unit = tuple[nn.Module, list[_Attribute]]
+
 IN_FLIGHT_REDUCE_SCATTERS = 2  # beyond this, the oldest is waited for (its full gradients freed)
 
 
-def _check_flags(owner: str, **flags) -> None:
+def _check_flags(owner: str, **flags: object) -> None:
     """Each of ``flags`` a bool, else a ``TypeError`` naming it."""
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -120,8 +126,10 @@ class _Gather:
         device = uses[0].shard.param.device
         send = torch.empty(sum(self.sizes), dtype=dtype, device=device)
         torch._foreach_copy_(list(send.split(self.sizes)), [u.shard.param.detach() for u in uses])
-        self.gathered = torch.empty(fsdp.world_size * send.numel(), dtype=dtype, device=device)
-        self.work = None
+        self.gathered: torch.Tensor | None = torch.empty(
+            fsdp.world_size * send.numel(), dtype=dtype, device=device
+        )
+        self.work: dist.Work | None = None
         if fsdp.world_size == 1:
             self.gathered.copy_(send)
         else:
@@ -135,6 +143,7 @@ class _Gather:
     def finish(self) -> None:
         if self.work is not None:
             self.work.wait()  # on a GPU the stream waits, not the host
+        assert self.gathered is not None  # (finish runs once)
         rows = self.gathered.view(self.world_size, -1)
         padded = [rows.new_empty(self.world_size, size) for size in self.sizes]
         torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=padded)
@@ -159,13 +168,15 @@ class _GatheredWeights(torch.autograd.Function):
     hands them to the reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, fsdp, uses, *shards):
+    def forward(
+        ctx: Any, fsdp: FSDP, uses: list[_Use], *shards: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         ctx.fsdp, ctx.uses = fsdp, uses
         ctx.set_materialize_grads(False)  # a weight the forward did not use gets None
         return tuple(use.full for use in uses)
 
     @staticmethod
-    def backward(ctx, *grads_full):
+    def backward(ctx: Any, *grads_full: torch.Tensor | None) -> tuple[None, ...]:
         for use, grad_full in zip(ctx.uses, grads_full, strict=True):
             if grad_full is not None:
                 ctx.fsdp._gradient_arrived(use, grad_full)
@@ -224,7 +235,7 @@ class FSDP(DataParallelBase):
                 f"compute_dtype must be None or a floating torch.dtype, got {compute_dtype!r}"
             )
         super().__init__(module, process_group=process_group)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype: torch.dtype | None = compute_dtype
         self._shards: dict[nn.Parameter, _Shard] = {}
         for name, param in module.named_parameters():
             if is_sharded(param):
@@ -234,9 +245,13 @@ class FSDP(DataParallelBase):
         self._claim_module(for_good=True)  # sharded in place: never wrap it again
         # A unit: a block (an item of the innermost nn.ModuleList) or a module outside every
         # list, with the (owner, attribute, parameter) triples it gathers or casts.
-        self._units = _units(module, self._shards, replicated_cast=compute_dtype is not None)
-        self._group_of = _blocks(module, [site for site, _ in self._units], blocks_per_gather)
-        self._sharded_of = [
+        self._units: list[_Unit] = _units(
+            module, self._shards, replicated_cast=compute_dtype is not None
+        )
+        self._group_of: list[int] = _blocks(
+            module, [site for site, _ in self._units], blocks_per_gather
+        )
+        self._sharded_of: list[list[_Attribute]] = [
             [(o, n, p) for o, n, p in attributes if p in self._shards]
             for _, attributes in self._units
         ]
@@ -257,7 +272,7 @@ class FSDP(DataParallelBase):
                 lambda m, args, out, u=unit: self._leave(u), always_call=True
             )
         self._order: list[int] = []  # units with sharded weights, in the last forward's order
-        self._position = 0  # how many of them ran in this forward
+        self._position: int = 0  # how many of them ran in this forward
         self._prefetched: dict[int, list[_Use]] = {}
         self._finished: set[int] = set()  # units whose gradients arrived in this backward
         # unit -> (its uses, whether autograd records them) while its forward runs
@@ -271,7 +286,7 @@ class FSDP(DataParallelBase):
 
     # -- the public contract ----------------------------------------------------------------
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.compute_dtype is not None:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         self._position, self._last_use = 0, None
@@ -293,7 +308,7 @@ class FSDP(DataParallelBase):
         while self._reducing:
             self._finish_oldest_reduce_scatter()
         self._drop_prefetched()
-        sums = {}
+        sums: dict[_Shard, torch.Tensor] = {}
         for shard, piece in self._reduced:
             sums[shard] = piece if shard not in sums else sums[shard].add_(piece)
         self._reduced = []
@@ -314,7 +329,11 @@ class FSDP(DataParallelBase):
         """Every parameter at full size, under the unwrapped module's names (a copy)."""
         return {name: self._gather_full(param) for name, param in self.module.named_parameters()}
 
-    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+    # torch types state_dict as two overloads with a keyword-only destination; this one keeps
+    # the positional destination torch itself accepts.
+    def state_dict(  # type: ignore[override]
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
         """The unwrapped module's full state dict (parameters gathered, on the CPU).
 
         Raises:
@@ -327,7 +346,9 @@ class FSDP(DataParallelBase):
             out[prefix + name] = full.cpu()
         return out
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """Load a full state dict (from ``state_dict()`` on any world size, or an unwrapped
         model's) into this rank's slices and replicated parameters.
 
@@ -399,13 +420,13 @@ class FSDP(DataParallelBase):
 
     # -- gathering ---------------------------------------------------------------------------
 
-    def _reduced_parameters(self, trainable):
+    def _reduced_parameters(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         return [p for p in trainable if not is_sharded(p)]
 
     def _synchronize(self) -> None:
         all_reduce_flat(self)  # the replicated parameters: few and small
 
-    def _cast_input(self, value):
+    def _cast_input(self, value: object) -> object:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.to(self.compute_dtype)
         return value
@@ -422,6 +443,7 @@ class FSDP(DataParallelBase):
     def _ready(self, use: _Use) -> torch.Tensor:
         if use.gather is not None:
             use.gather.finish()
+        assert use.full is not None  # (gathered, or finished just now)
         return use.full
 
     def _gather_full(self, param: nn.Parameter) -> torch.Tensor:
@@ -460,9 +482,8 @@ class FSDP(DataParallelBase):
                 self._after(other)
         uses: list[_Use] = []
         if self._sharded_of[unit]:
-            uses = self._prefetched.pop(unit, None)
-            if uses is None:
-                uses = self._start_unit(unit)
+            prefetched = self._prefetched.pop(unit, None)
+            uses = prefetched if prefetched is not None else self._start_unit(unit)
             self._note_order(unit)
             for use in uses:
                 full = self._ready(use)
@@ -589,7 +610,7 @@ class FSDP(DataParallelBase):
 
     # -- what autograd saves ----------------------------------------------------------------
 
-    def _pack(self, tensor: torch.Tensor):
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedWeight:
         if self._live:  # called for every tensor autograd saves: kept to one lookup
             try:
                 use = self._live.get(tensor.untyped_storage().data_ptr())
@@ -600,7 +621,7 @@ class FSDP(DataParallelBase):
                 return _SavedWeight(use, tensor)
         return tensor
 
-    def _unpack(self, saved):
+    def _unpack(self, saved: torch.Tensor | _SavedWeight) -> torch.Tensor:
         if not isinstance(saved, _SavedWeight):
             return saved
         use = saved.use
@@ -698,14 +719,15 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
     innermost one: a Transformer's layer, or one expert of a list of experts inside it) share
     one, and so do the items ``i`` whose ``i // items_per_block`` is equal; any other owner is its
     own."""
-    block_of: dict[int, tuple] = {}  # id(module) -> (id(its list), chunk), for modules inside one
+    block_of: dict[int, object] = {}  # id(module) -> (id(its list), chunk), for modules inside one
 
     def visit(parent: nn.Module, block: object) -> None:
         is_list = isinstance(parent, nn.ModuleList)
-        for index, child in enumerate(parent if is_list else parent.children()):
+        children = parent if isinstance(parent, nn.ModuleList) else parent.children()
+        for index, child in enumerate(children):
             if id(child) in block_of:  # shared by two blocks: the first keeps it
                 continue
-            inner = (id(parent), index // items_per_block) if is_list else block
+            inner: object = (id(parent), index // items_per_block) if is_list else block
             if inner is not None:
                 block_of[id(child)] = inner
             visit(child, inner)
@@ -718,7 +740,7 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
     ]
 
 
-def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
+def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list[_Unit]:
     """(unit module, [(owner, attribute, parameter)]) for the parameters FSDP handles: the
     sharded ones and, when parameters are cast for compute, any floating one. An owner inside
     an item of an ``nn.ModuleList`` (the innermost one) belongs to that item's unit; the owners
@@ -735,7 +757,7 @@ def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list:
                 visit(child, item_of[id(child)])
 
     visit(module, None)
-    units: dict[int, tuple[nn.Module, list]] = {}
+    units: dict[int, _Unit] = {}
     for owner in module.modules():
         attributes = [
             (owner, name, p)
