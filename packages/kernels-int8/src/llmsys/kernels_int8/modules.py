@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -204,11 +204,12 @@ class Int8Linear(nn.Module):
 
 
 Include = str | Iterable[str] | Callable[[str, nn.Linear], bool] | None
+ModuleT = TypeVar("ModuleT", bound=nn.Module)  # quantize_linears returns the model it took
 
 
 def quantize_linears(
-    model: nn.Module, include: Include = None, *, check_finite: bool = False
-) -> nn.Module:
+    model: ModuleT, include: Include = None, *, check_finite: bool = False
+) -> ModuleT:
     """Swap ``nn.Linear`` layers of ``model`` in place for :class:`Int8Linear` (inference).
 
     Args:
