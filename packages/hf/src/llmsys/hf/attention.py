@@ -23,6 +23,9 @@ or a ready-made 4-D mask. transformers is imported only when ``register_flash_at
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from llmsys.flash_attn2 import flash_attention
@@ -66,7 +69,7 @@ def causal_mask(
     attention_mask: torch.Tensor | None = None,
     allow_is_causal_skip: bool = True,
     local_size: int | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> None:
     """transformers' mask function for this implementation: None where plain causal attention is
     exact, else a ``ValueError``. Called by the model's ``create_*_mask`` once per forward, with
@@ -122,7 +125,15 @@ def causal_mask(
     return None
 
 
-def _is_plain_causal(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, device):
+def _is_plain_causal(
+    mask_function: Callable[..., torch.Tensor] | None,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    device: torch.types.Device,
+) -> bool:
     """Whether transformers' index-based ``mask_function(batch, head, q, kv) -> bool`` allows
     exactly ``kv <= q`` at every position of this call. Reads a device tensor: under
     torch.compile this is a graph break (one per forward, not per layer)."""
@@ -153,7 +164,7 @@ def flash_attention_interface(
     is_causal: bool | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over :func:`flash_attention`.
 

@@ -22,14 +22,15 @@ from typing import Any, SupportsIndex, cast
 from torch import nn
 
 
-def original_class(module: nn.Module) -> type:
+def original_class(module: nn.Module) -> type[nn.Module]:
     """The class ``module`` had before any rewrite (its own class if none)."""
     return getattr(type(module), "_llmsys_rewrite", (type(module),))[0]
 
 
 def rewrite(module: nn.Module, forward: Callable[..., Any]) -> bool:
     """Give ``module`` the ``forward`` function (``forward(self, ...)``); False if it has it."""
-    cls = rewritten_class(original_class(module), forward)
+    base: type = original_class(module)  # (to mypy a module class is not Hashable)
+    cls = rewritten_class(base, forward)
     if type(module) is cls:
         return False
     module.__class__ = cls
