@@ -30,6 +30,7 @@ no key (a length below ``Q_LEN``, which only CPU calls check) comes out NaN.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -276,7 +277,14 @@ def decode_combine_kernel(
 # --- checks --------------------------------------------------------------------------------------
 
 
-def check_decode_inputs(op: str, q, k_cache, v_cache, cache_seqlens, sm_scale) -> None:
+def check_decode_inputs(
+    op: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float,
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the op.
     Only metadata is read, except on CPU, where the lengths' values are checked too."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -334,7 +342,13 @@ def check_decode_inputs(op: str, q, k_cache, v_cache, cache_seqlens, sm_scale) -
 # --- launcher ------------------------------------------------------------------------------------
 
 
-def _decode_fallback(q, k_cache, v_cache, cache_seqlens, sm_scale):
+def _decode_fallback(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     """Plain PyTorch, float32, any device: the masked softmax over the whole cache, the query
     heads grouped per kv head through a view (the cache is not copied to H heads)."""
     _, heads, q_len, _ = q.shape
@@ -353,7 +367,13 @@ def _decode_fallback(q, k_cache, v_cache, cache_seqlens, sm_scale):
     return out.flatten(1, 2)
 
 
-def flash_attn2_decode_impl(q, k_cache, v_cache, cache_seqlens, sm_scale):
+def flash_attn2_decode_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     """``out`` ``(B, H, Q_LEN, D)``, contiguous, q's dtype: see the module docstring."""
     check_decode_inputs(OP, q, k_cache, v_cache, cache_seqlens, sm_scale)
     batch, heads, q_len, d = q.shape
@@ -410,7 +430,13 @@ def flash_attn2_decode_impl(q, k_cache, v_cache, cache_seqlens, sm_scale):
 # --- registration --------------------------------------------------------------------------------
 
 
-def _decode_fake(q, k_cache, v_cache, cache_seqlens, sm_scale):
+def _decode_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     check_decode_inputs(OP, q, k_cache, v_cache, cache_seqlens, sm_scale)
     return q.new_empty(q.shape)  # contiguous
 
@@ -433,7 +459,7 @@ flash_attn2_decode = define_op(
 )
 
 
-def _refuse_grad(ctx, inputs, output):
+def _refuse_grad(ctx: Any, inputs: tuple, output: object) -> None:
     raise inference_only_error("torch.ops.llmsys.flash_attn2_decode")
 
 
