@@ -24,3 +24,19 @@ def test_flag_accepts_only_a_bool(value):
     checks.flag("op", "check", False)
     with pytest.raises(TypeError, match=rf"op: `check` must be a bool, got {type(value).__name__}"):
         checks.flag("op", "check", value)
+
+
+def test_as_called_names_the_public_function_and_its_arguments():
+    error = checks.as_called(ValueError("some_op: `x` must be 2-D, got (3,)"), "public", x="w")
+    assert type(error) is ValueError
+    assert str(error) == "public: `w` must be 2-D, got (3,)"
+    error = checks.as_called(TypeError("some_op: `xs` must be int8, got float"), "public", x="w")
+    assert str(error) == "public: `xs` must be int8, got float"  # only whole argument names
+
+
+@pytest.mark.parametrize(
+    "error",
+    [RuntimeError("op: a kernel failed"), ValueError("a message with no op"), KeyError("op: k")],
+)
+def test_as_called_leaves_other_errors_alone(error):
+    assert checks.as_called(error, "public") is error

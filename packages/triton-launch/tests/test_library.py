@@ -214,3 +214,25 @@ def test_the_public_function_compiles_as_the_op():
     compiled = torch.compile(lambda t: double(t) + 1, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(x), x * 2 + 1, rtol=0, atol=0)
     assert [node.target for node in graphs[0].graph.nodes if node.target is double_op]
+
+
+def test_a_call_by_name_hands_the_impl_every_argument():
+    """The dispatcher leaves trailing arguments at their defaults out of a Python kernel's call,
+    where the native kernel gets them all: the impl sees them all either way, so a call by name
+    has one recorded-plan signature from its first call on."""
+    seen = []
+
+    def scaled(x, bias, factor):  # no defaults of its own: the schema's must reach it
+        seen.append((bias, factor))
+        return x * factor if bias is None else x * factor + bias
+
+    op = define_op(
+        _lib,
+        "scaled(Tensor x, Tensor? bias=None, int factor=3) -> Tensor",
+        scaled,
+        lambda x, bias=None, factor=3: torch.empty_like(x),
+    )
+    x = torch.randn(4)
+    torch.testing.assert_close(op(x), x * 3)
+    torch.testing.assert_close(op(x, None, 2), x * 2)
+    assert seen == [(None, 3), (None, 2)]

@@ -22,6 +22,13 @@ Partials, float32 and contiguous: ``m`` and ``l`` ``(B, H, Q_LEN, NUM_SPLITS)``,
 ``(B, H, Q_LEN, NUM_SPLITS, D)``; row ``r = g * Q_LEN + i`` of kv head ``h_kv`` is query head
 ``h_kv * GROUP + g``, so the rows of one program are adjacent in ``(B, H * Q_LEN)``.
 
+An int8 cache (``append_kv_int8`` writes it) comes with float32 scales ``k_scale``, ``v_scale``
+``(B, H_KV, CAPACITY)``, one per cached token and head, and is dequantized on load without
+dequantizing a tile: a key's scale multiplies its column of scores, and a value's scale its
+column of probabilities before the ``p @ v`` dot (int8 values convert exactly to q's dtype):
+
+    s = (q @ k_int8^T) * k_scale * sm_scale,    acc += (p * v_scale) @ v_int8
+
 The grid depends only on the shapes, so a CUDA graph captured once replays for any lengths.
 Lengths are clamped to ``[0, CAPACITY]`` on the device (no read past the cache); a row that sees
 no key (a length below ``Q_LEN``, which only CPU calls check) comes out NaN.
@@ -30,7 +37,6 @@ no key (a length below ``Q_LEN``, which only CPU calls check) comes out NaN.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import triton
@@ -74,19 +80,23 @@ def _valid_length(SEQLENS, b, stride_lens, CAPACITY):
 
 
 @triton.jit
-def _decode_inner(acc, l_i, m_i, q, k_head, v_head, lo, hi, seqlen, pos, stride_kn, stride_kd,
-                  stride_vn, stride_vd, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _decode_inner(acc, l_i, m_i, q, k_head, v_head, ks_head, vs_head, lo, hi, seqlen, pos,
+                  stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, stride_vsn, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASK: tl.constexpr, INT8_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   DOT_UPCAST: tl.constexpr):  # fmt: skip
     """Online softmax (base 2) over the keys [lo, hi). MASK: keys past a row's position score
     -inf and keys past the length load as zeros (garbage there never reaches a sum); a row
-    that has seen no key yet keeps m = -inf, l = 0, acc = 0."""
+    that has seen no key yet keeps m = -inf, l = 0, acc = 0. INT8_KV: k and v are int8, with
+    a float32 scale per key at ks_head / vs_head."""
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d[None, :] < HEAD_DIM
     first = lo.to(tl.int64)  # 64-bit: a long cache times its row stride
     k_ptrs = k_head + first * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_head + first * stride_vn + offs_n0[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    ks_ptrs = ks_head + (first + offs_n0) * stride_ksn  # used only when INT8_KV
+    vs_ptrs = vs_head + (first + offs_n0) * stride_vsn
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         if MASK:
@@ -99,7 +109,20 @@ def _decode_inner(acc, l_i, m_i, q, k_head, v_head, lo, hi, seqlen, pos, stride_
         else:
             k = tl.load(k_ptrs, mask=d_ok, other=0.0)
             v = tl.load(v_ptrs, mask=d_ok, other=0.0)
+        if INT8_KV:
+            if MASK:
+                k_scale = tl.load(ks_ptrs, mask=offs_n < seqlen, other=0.0)
+                v_scale = tl.load(vs_ptrs, mask=offs_n < seqlen, other=0.0)
+            else:
+                k_scale = tl.load(ks_ptrs)
+                v_scale = tl.load(vs_ptrs)
+            # Exact: |k| <= 127 fits every float format's mantissa. (Triton's interpreter
+            # converts int8 to bfloat16 bit by bit: there, DOT_UPCAST, go through float32.)
+            k = k.to(tl.float32 if DOT_UPCAST else q.dtype)
+            v = v.to(tl.float32 if DOT_UPCAST else q.dtype)
         s = _dot(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if INT8_KV:
+            s = s * k_scale[None, :]
         if MASK:
             s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -110,10 +133,14 @@ def _decode_inner(acc, l_i, m_i, q, k_head, v_head, lo, hi, seqlen, pos, stride_
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
+        if INT8_KV:
+            p = p * v_scale[None, :]  # after the sum: l counts the probabilities themselves
+        acc = _dot(p.to(q.dtype), v, acc * alpha[:, None], DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
+        ks_ptrs += BLOCK_N * stride_ksn
+        vs_ptrs += BLOCK_N * stride_vsn
     return acc, l_i, m_i
 
 
@@ -121,8 +148,10 @@ def _decode_inner(acc, l_i, m_i, q, k_head, v_head, lo, hi, seqlen, pos, stride_
 def decode_split_kernel(
     # pointers
     Q,  # (B, H, Q_LEN, HEAD_DIM) float16 / bfloat16 / float32, any strides
-    K,  # (B, H_KV, CAPACITY, HEAD_DIM) q's dtype, any strides
-    V,  # (B, H_KV, CAPACITY, HEAD_DIM) q's dtype, any strides
+    K,  # (B, H_KV, CAPACITY, HEAD_DIM) q's dtype, or int8 (INT8_KV), any strides
+    V,  # (B, H_KV, CAPACITY, HEAD_DIM) K's dtype, any strides
+    K_SCALE,  # (B, H_KV, CAPACITY) float32, any strides: the keys' scales (read when INT8_KV)
+    V_SCALE,  # (B, H_KV, CAPACITY) float32, any strides: the values' scales (read when INT8_KV)
     SEQLENS,  # (B,) int32 / int64: valid cache rows per sequence, the new ones included
     M_PART,  # (B, H, Q_LEN, NUM_SPLITS) float32, contiguous: base-2 row max per split
     L_PART,  # (B, H, Q_LEN, NUM_SPLITS) float32, contiguous: sum of exp2(s - m) per split
@@ -147,6 +176,12 @@ def decode_split_kernel(
     stride_vh,
     stride_vn,
     stride_vd,
+    stride_ksb,
+    stride_ksh,
+    stride_ksn,
+    stride_vsb,
+    stride_vsh,
+    stride_vsn,
     stride_lens,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
@@ -154,6 +189,7 @@ def decode_split_kernel(
     BLOCK_M: tl.constexpr,  # (query head, row) pairs per program, a power of two, at least 16
     BLOCK_N: tl.constexpr,  # keys per step; divides CHUNK
     CHUNK: tl.constexpr,  # keys per program
+    INT8_KV: tl.constexpr,  # K and V are int8, dequantized on load with K_SCALE and V_SCALE
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
@@ -189,15 +225,17 @@ def decode_split_kernel(
     full_hi = start + tl.maximum(unmasked, 0) // BLOCK_N * BLOCK_N
     k_head = K + b * stride_kb + h_kv * stride_kh
     v_head = V + b * stride_vb + h_kv * stride_vh
+    ks_head = K_SCALE + b * stride_ksb + h_kv * stride_ksh
+    vs_head = V_SCALE + b * stride_vsb + h_kv * stride_vsh
     acc, l_i, m_i = _decode_inner(
-        acc, l_i, m_i, q, k_head, v_head, start, full_hi, seqlen, pos, stride_kn, stride_kd,
-        stride_vn, stride_vd, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION,
-        DOT_UPCAST,
+        acc, l_i, m_i, q, k_head, v_head, ks_head, vs_head, start, full_hi, seqlen, pos,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, stride_vsn, qk_scale, HEAD_DIM,
+        BLOCK_D, BLOCK_N, False, INT8_KV, DOT_PRECISION, DOT_UPCAST,
     )  # fmt: skip
     acc, l_i, m_i = _decode_inner(
-        acc, l_i, m_i, q, k_head, v_head, full_hi, hi, seqlen, pos, stride_kn, stride_kd,
-        stride_vn, stride_vd, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION,
-        DOT_UPCAST,
+        acc, l_i, m_i, q, k_head, v_head, ks_head, vs_head, full_hi, hi, seqlen, pos,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_ksn, stride_vsn, qk_scale, HEAD_DIM,
+        BLOCK_D, BLOCK_N, True, INT8_KV, DOT_PRECISION, DOT_UPCAST,
     )  # fmt: skip
 
     # (b, h, i) flattened is ((b * H_KV + h_kv) * GROUP * Q_LEN + row)
@@ -277,20 +315,18 @@ def decode_combine_kernel(
 # --- checks --------------------------------------------------------------------------------------
 
 
-def check_decode_inputs(
-    op: str,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    sm_scale: float,
-) -> None:
+def check_decode_inputs(op: str, q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale=None,
+                        v_scale=None, values: bool = True) -> None:  # fmt: skip
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the op.
-    Only metadata is read, except on CPU, where the lengths' values are checked too."""
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        checks.tensor(op, name, t, ops.SUPPORTED_DTYPES)
-        checks.same_dtype(op, name, t, "q", q)
+    Only metadata is read, except on CPU, where the lengths' values are checked too when
+    ``values`` (a fake implementation, under tracing, has none to read)."""
+    checks.tensor(op, "q", q, ops.SUPPORTED_DTYPES)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        checks.tensor(op, name, t, (*ops.SUPPORTED_DTYPES, torch.int8))
         checks.same_device(op, name, t, "q", q)
+        if k_cache.dtype != torch.int8:
+            checks.same_dtype(op, name, t, "q", q)
+    checks.same_dtype(op, "v_cache", v_cache, "k_cache", k_cache)
     checks.tensor(op, "cache_seqlens", cache_seqlens, SEQLEN_DTYPES)
     checks.same_device(op, "cache_seqlens", cache_seqlens, "q", q)
     if q.dim() != 4:
@@ -304,6 +340,7 @@ def check_decode_inputs(
             f"head_dim of `q` {tuple(q.shape)}, got {tuple(k_cache.shape)}"
         )
     checks.same_shape(op, "v_cache", v_cache, "k_cache", k_cache)
+    check_cache_scales(op, k_cache, k_scale, v_scale)
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(
@@ -330,7 +367,7 @@ def check_decode_inputs(
         raise TypeError(f"{op}: `sm_scale` must be a float or None, got {type(sm_scale).__name__}")
     if not math.isfinite(sm_scale):
         raise ValueError(f"{op}: `sm_scale` must be finite, got {sm_scale}")
-    if cache_seqlens.device.type == "cpu" and batch:  # a GPU tensor's values stay on the GPU
+    if values and cache_seqlens.device.type == "cpu" and batch:  # a GPU's stay on the GPU
         low, high = int(cache_seqlens.min()), int(cache_seqlens.max())
         if low < q_len or high > capacity:
             raise ValueError(
@@ -339,26 +376,48 @@ def check_decode_inputs(
             )
 
 
+def check_cache_scales(op: str, k_cache, k_scale, v_scale) -> None:
+    """An int8 cache has both scales, float32 ``(B, H_KV, CAPACITY)`` on its device; a float
+    cache has none. ``k_cache`` is already checked."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if k_cache.dtype != torch.int8:
+            if scale is not None:
+                raise ValueError(
+                    f"{op}: `{name}` goes with an int8 cache, but `k_cache` has dtype "
+                    f"{k_cache.dtype}: pass no scales with a float cache"
+                )
+            continue
+        if scale is None:
+            raise ValueError(
+                f"{op}: an int8 `k_cache` needs `{name}` (float32, one scale per cached token "
+                "and head), got None"
+            )
+        checks.tensor(op, name, scale, (torch.float32,))
+        checks.same_device(op, name, scale, "k_cache", k_cache)
+        if scale.shape != k_cache.shape[:3]:
+            raise ValueError(
+                f"{op}: `{name}` must have shape {tuple(k_cache.shape[:3])} (batch, kv_heads, "
+                f"capacity: one scale per cached token and head), got {tuple(scale.shape)}"
+            )
+
+
 # --- launcher ------------------------------------------------------------------------------------
 
 
-def _decode_fallback(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    sm_scale: float,
-) -> torch.Tensor:
-    """Plain PyTorch, float32, any device: the masked softmax over the whole cache, the query
-    heads grouped per kv head through a view (the cache is not copied to H heads)."""
+def _decode_fallback(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_scale):
+    """Plain PyTorch, float32, any device: the masked softmax over the whole (dequantized)
+    cache, the query heads grouped per kv head through a view (not copied to H heads)."""
     _, heads, q_len, _ = q.shape
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     q5 = q.float().unflatten(1, (kv_heads, heads // kv_heads))  # (B, H_KV, G, Q, D)
     keys = torch.arange(capacity, device=q.device)
     lengths = cache_seqlens.clamp(0, capacity).to(keys.dtype)
     in_seq = keys < lengths[:, None]  # (B, CAP)
-    k = torch.where(in_seq[:, None, :, None], k_cache.float(), 0.0)  # garbage past the length
-    v = torch.where(in_seq[:, None, :, None], v_cache.float(), 0.0)
+    k, v = k_cache.float(), v_cache.float()
+    if k_scale is not None:
+        k, v = k * k_scale[..., None], v * v_scale[..., None]
+    k = torch.where(in_seq[:, None, :, None], k, 0.0)  # garbage past the length
+    v = torch.where(in_seq[:, None, :, None], v, 0.0)
     pos = lengths[:, None] - q_len + torch.arange(q_len, device=q.device)  # (B, Q)
     seen = keys <= pos[:, :, None]  # (B, Q, CAP)
     scores = q5 @ k.unsqueeze(2).transpose(-2, -1) * sm_scale  # (B, H_KV, G, Q, CAP)
@@ -367,22 +426,18 @@ def _decode_fallback(
     return out.flatten(1, 2)
 
 
-def flash_attn2_decode_impl(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    sm_scale: float,
-) -> torch.Tensor:
+def flash_attn2_decode_impl(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale=None,
+                            v_scale=None):  # fmt: skip
     """``out`` ``(B, H, Q_LEN, D)``, contiguous, q's dtype: see the module docstring."""
-    check_decode_inputs(OP, q, k_cache, v_cache, cache_seqlens, sm_scale)
+    check_decode_inputs(OP, q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_scale)
     batch, heads, q_len, d = q.shape
     kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     out = ops._alloc(q, (batch, heads, q_len, d), q.dtype)
     if batch == 0:
         return out
     if not q.is_cuda and not ops.CPU_RUNS_TRITON:
-        out.copy_(_decode_fallback(q, k_cache, v_cache, cache_seqlens, sm_scale))
+        fallback = _decode_fallback(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_scale)
+        out.copy_(fallback)
         return out
     config = decode_config(d, q.dtype)
     chunk = CHUNK or config.chunk
@@ -399,15 +454,22 @@ def flash_attn2_decode_impl(
     m_part = ops._alloc(q, (batch, heads, q_len, num_splits), torch.float32)
     l_part = ops._alloc(q, (batch, heads, q_len, num_splits), torch.float32)
     acc_part = ops._alloc(q, (batch, heads, q_len, num_splits, d), torch.float32)
+    int8_kv = k_scale is not None
+    if not int8_kv:  # the kernel reads no scale: any pointer will do, and zero strides
+        k_scale, v_scale, scale_strides = k_cache, v_cache, (0,) * 6
+    else:
+        scale_strides = (*k_scale.stride(), *v_scale.stride())
     sizes = (kv_heads, group, q_len, capacity, num_splits, float(sm_scale))
-    strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), cache_seqlens.stride(0))
-    args = (q, k_cache, v_cache, cache_seqlens, m_part, l_part, acc_part, *sizes, *strides)
+    strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides)
+    args = (q, k_cache, v_cache, k_scale, v_scale, cache_seqlens, m_part, l_part, acc_part)
+    args = (*args, *sizes, *strides, cache_seqlens.stride(0))
     constexprs = {
         "HEAD_DIM": d,
         "BLOCK_D": block_d(d),
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
         "CHUNK": chunk,
+        "INT8_KV": int8_kv,
         "DOT_PRECISION": ops.DOT_PRECISION,
         # Triton's interpreter multiplies bfloat16 dot operands as integers: upcast them there.
         "DOT_UPCAST": not q.is_cuda and q.dtype == torch.bfloat16,
@@ -430,14 +492,10 @@ def flash_attn2_decode_impl(
 # --- registration --------------------------------------------------------------------------------
 
 
-def _decode_fake(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    sm_scale: float,
-) -> torch.Tensor:
-    check_decode_inputs(OP, q, k_cache, v_cache, cache_seqlens, sm_scale)
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale=None, v_scale=None):
+    check_decode_inputs(
+        OP, q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_scale, values=False
+    )
     return q.new_empty(q.shape)  # contiguous
 
 
@@ -452,14 +510,14 @@ _lib = torch.library.Library(ops.NAMESPACE, "FRAGMENT")
 flash_attn2_decode = define_op(
     _lib,
     "flash_attn2_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
-    "float sm_scale) -> Tensor",
+    "float sm_scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
     flash_attn2_decode_impl,
     _decode_fake,
     replays=True,  # a non-empty batch
 )
 
 
-def _refuse_grad(ctx: Any, inputs: tuple, output: object) -> None:
+def _refuse_grad(ctx, inputs, output):
     raise inference_only_error("torch.ops.llmsys.flash_attn2_decode")
 
 
@@ -478,6 +536,8 @@ def decode_attention(
     cache_seqlens: torch.Tensor,
     *,
     sm_scale: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a few new tokens per sequence over a static KV cache, read in place.
 
@@ -485,7 +545,8 @@ def decode_attention(
         q: the new tokens' queries, ``(B, H, Q_LEN, D)``, ``Q_LEN`` from 1 to 16; float16,
             bfloat16 or float32 (TF32 dots on a GPU); any strides.
         k_cache: ``(B, H_KV, CAPACITY, D)`` (transformers' ``StaticCache`` layout, one layer),
-            q's dtype and device, any strides (a slice of a larger buffer is read in place).
+            q's dtype, or int8 with ``k_scale`` and ``v_scale`` (written by ``append_kv_int8``);
+            on q's device, any strides (a slice of a larger buffer is read in place).
             ``H_KV`` divides ``H``: query head ``h`` reads kv head ``h // (H // H_KV)``.
         v_cache: the shape, dtype and device of ``k_cache``.
         cache_seqlens: ``(B,)`` int32 or int64 on q's device: each sequence's valid cache rows,
@@ -494,6 +555,10 @@ def decode_attention(
             a length outside that range is clamped to ``[0, CAPACITY]`` and rows that then see
             no key are NaN. Cache rows past a sequence's length are never used.
         sm_scale: the score scale, default ``1 / sqrt(D)``.
+        k_scale: for an int8 cache (required with one, refused with a float one), the keys'
+            scales ``(B, H_KV, CAPACITY)`` float32 on q's device, any strides: cached key ``n``
+            of head ``h`` is ``k_cache[b, h, n] * k_scale[b, h, n]``, dequantized on load.
+        v_scale: the values' scales, as ``k_scale``.
 
     Returns:
         ``(B, H, Q_LEN, D)``, contiguous, q's dtype: row ``i`` of sequence ``b`` attends to
@@ -503,13 +568,15 @@ def decode_attention(
 
     Raises:
         TypeError: an argument is not a tensor, or a dtype is unsupported or mismatched.
-        ValueError: shapes, head counts, ``Q_LEN``, devices or (CPU) lengths do not fit.
+        ValueError: shapes, head counts, ``Q_LEN``, devices or (CPU) lengths do not fit; an
+            int8 cache without both scales, or scales with a float cache.
         RuntimeError: grad mode is on and an input requires grad.
     """
     checks.tensors(
-        "decode_attention", q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens
-    )
-    if wants_grad(q, k_cache, v_cache):
+        "decode_attention", ("k_scale", "v_scale"), q=q, k_cache=k_cache, v_cache=v_cache,
+        cache_seqlens=cache_seqlens, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    if wants_grad(q, k_cache, v_cache, k_scale, v_scale):
         raise inference_only_error("decode_attention")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1]) if q.dim() and q.shape[-1] else 1.0
@@ -517,6 +584,16 @@ def decode_attention(
         raise TypeError(
             f"decode_attention: `sm_scale` must be a float or None, got {type(sm_scale).__name__}"
         )
-    return call_below_autograd(
-        flash_attn2_decode, q, k_cache, v_cache, cache_seqlens, float(sm_scale)
-    )
+    try:
+        return call_below_autograd(
+            flash_attn2_decode,
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            float(sm_scale),
+            k_scale,
+            v_scale,
+        )
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "decode_attention") from None

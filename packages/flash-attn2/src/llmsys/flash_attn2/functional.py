@@ -119,7 +119,10 @@ def flash_attention(
         ValueError: shapes, head counts, head dims (above 256) or devices do not fit.
     """
     _check_arguments("flash_attention", q, k, v, causal, scale, "causal")
-    if wants_grad(q, k, v):
-        return FlashAttention2Triton.apply(q, k, v, causal, scale)
-    scale = _default_scale(q) if scale is None else float(scale)
-    return call_below_autograd(ops.flash_attn2_fwd, q, k, v, causal, scale)[0]
+    try:
+        if wants_grad(q, k, v):
+            return FlashAttention2Triton.apply(q, k, v, causal, scale)
+        scale = _default_scale(q) if scale is None else float(scale)
+        return call_below_autograd(ops.flash_attn2_fwd, q, k, v, causal, scale)[0]
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "flash_attention") from None

@@ -1,4 +1,5 @@
-"""The executable spec: attention with a materialized softmax; tests and benchmarks use it."""
+"""The executable spec: attention with a materialized softmax, and the int8 KV cache's quantizer;
+tests and benchmarks use them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import torch
 
 MASKED_SCORE = -1e6  # what a masked score is set to, as in the CS336 assignment's reference
+INT8_MAX = 127  # symmetric int8: q in [-127, 127], the grid centred on 0
 
 
 def attention_reference(
@@ -50,3 +52,26 @@ def attention_reference(
     out = torch.softmax(scores, dim=-1) @ v_  # (..., n_queries, d)
     lse = torch.logsumexp(scores, dim=-1)  # (..., n_queries)
     return out.to(q.dtype), lse.to(torch.float32)
+
+
+def quantize_kv_int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of each token of each head (each row of the last dim), the
+    rule of ``append_kv_int8``: what ``q.float() * scale[..., None]`` rebuilds is the cache.
+
+    ``scale = max|row| / 127`` in float32 (IEEE division); ``q = round(row / scale)`` (half to
+    even) clamped to [-127, 127]. A row of zeros gets scale 0 and q 0; a row holding a NaN or an
+    Inf gets scale NaN and q 0, so attention over it is NaN, as over the float row.
+
+    Args:
+        x: ``(..., D)`` float16, bfloat16 or float32, ``D >= 1``.
+
+    Returns:
+        ``q`` ``(..., D)`` int8 and ``scale`` ``(...)`` float32.
+    """
+    x32 = x.float()  # (..., D)
+    amax = x32.abs().amax(dim=-1)  # (...); NaN or inf for a non-finite row
+    scale = amax / torch.full_like(amax, INT8_MAX)  # a tensor divisor: IEEE, not a reciprocal
+    scale = torch.where(amax.isfinite(), scale, torch.nan)
+    nonzero = scale[..., None] > 0  # False for a NaN scale
+    q = (x32 / torch.where(nonzero, scale[..., None], 1.0)).clamp(-INT8_MAX, INT8_MAX).round()
+    return torch.where(nonzero, q, 0.0).to(torch.int8), scale

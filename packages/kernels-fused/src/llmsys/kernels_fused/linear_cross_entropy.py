@@ -621,9 +621,12 @@ def linear_cross_entropy(
     _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size)
     flags = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     args = (hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size)
-    if wants_grad(hidden, weight, bias):
-        return _LinearCrossEntropyFunction.apply(*args, *flags)[0]
-    return call_below_autograd(linear_cross_entropy_fwd, *args, False, False, False)[0]
+    try:
+        if wants_grad(hidden, weight, bias):
+            return _LinearCrossEntropyFunction.apply(*args, *flags)[0]
+        return call_below_autograd(linear_cross_entropy_fwd, *args, False, False, False)[0]
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "linear_cross_entropy") from None
 
 
 def _check_num_items(op: str, num_items: object) -> None:

@@ -464,11 +464,14 @@ def rotary(
         and isinstance(sin, torch.Tensor)
     ):
         checks.tensors("rotary", q=q, k=k, cos=cos, sin=sin)  # a TypeError naming the argument
-    if wants_grad(q, k, cos, sin):
-        if cos.requires_grad or sin.requires_grad:
-            raise ValueError(f"rotary: {_NO_COS_SIN_GRAD}")
-        return _RotaryFunction.apply(q, k, cos, sin)
-    return call_below_autograd(rotary_fwd, q, k, cos, sin)
+    try:
+        if wants_grad(q, k, cos, sin):
+            if cos.requires_grad or sin.requires_grad:
+                raise ValueError(f"rotary: {_NO_COS_SIN_GRAD}")
+            return _RotaryFunction.apply(q, k, cos, sin)
+        return call_below_autograd(rotary_fwd, q, k, cos, sin)
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "rotary") from None
 
 
 def apply_rotary_pos_emb(

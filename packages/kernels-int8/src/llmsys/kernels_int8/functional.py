@@ -84,7 +84,10 @@ def quantize_int8_perrow(
     if check_finite is not False:  # (the default costs one comparison)
         checks.flag("quantize_int8_perrow", "check_finite", check_finite)
         ops.check_finite_rows("quantize_int8_perrow", "x", x)
-    return call_below_autograd(ops.int8_quantize_perrow, x)
+    try:
+        return call_below_autograd(ops.int8_quantize_perrow, x)
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "quantize_int8_perrow") from None
 
 
 def quantize_int8(
@@ -112,7 +115,7 @@ def quantize_int8(
     For an ``nn.Linear`` weight (N, K), ``quantize_int8(linear.weight.t())`` gives the (K, N)
     operand ``y = x @ W.T`` needs (``Int8Linear.from_float`` does this).
     """
-    checks.tensors("quantize_int8", weight=weight)
+    checks.tensor("quantize_int8", "weight", weight, ops.FLOAT_DTYPES)
     if weight.dim() != 2:
         raise ValueError(f"quantize_int8: `weight` must be 2-D (K, N), got {tuple(weight.shape)}")
     if isinstance(axis, bool) or axis not in (0, 1, -1, -2):
@@ -170,9 +173,12 @@ def matmul_int8(
     )
     if wants_grad(a_scale, b_scale, bias, out):
         raise ops.inference_only_error("matmul_int8")
-    if out is None:
-        return call_below_autograd(ops.int8_matmul, a, a_scale, b, b_scale, bias)
-    call_below_autograd(ops.int8_matmul_out, a, a_scale, b, b_scale, bias, out)
+    try:
+        if out is None:
+            return call_below_autograd(ops.int8_matmul, a, a_scale, b, b_scale, bias)
+        call_below_autograd(ops.int8_matmul_out, a, a_scale, b, b_scale, bias, out)
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "matmul_int8") from None
     return out
 
 
@@ -215,9 +221,14 @@ def matmul_quantize_int8(
         checks.flag("matmul_quantize_int8", "check_finite", check_finite)
         ops.check_finite_rows("matmul_quantize_int8", "fpa", rows)
     try:
-        q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
-    except (TypeError, ValueError) as error:  # the quantizer's `x` is this function's `fpa`
-        raise type(error)(str(error).replace("`x`", "`fpa`")) from error
+        return _matmul_quantize(rows, lead, b, b_scale, out)
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "matmul_quantize_int8", x="fpa") from None
+
+
+def _matmul_quantize(rows, lead, b, b_scale, out) -> torch.Tensor:
+    """``matmul_quantize_int8`` past its own checks, on ``fpa`` as (M, K) ``rows``."""
+    q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
     if out is None:
         result = matmul_int8(q, scale, b, b_scale)  # (M, N)
         return result.reshape(*lead, result.shape[1])

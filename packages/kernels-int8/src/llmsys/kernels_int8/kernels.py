@@ -18,20 +18,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from llmsys.triton_launch.precise import round_half_even
 
 # --- quantization --------------------------------------------------------------------------------
-
-
-@triton.jit
-def _round_half_even(y, PRECISE: tl.constexpr):
-    # torch.round rounds half to even. On the GPU `rint` is one cvt.rni instruction; the
-    # interpreter has no libdevice, so there adding and subtracting 1.5 * 2**23 lets float32's own
-    # round-to-nearest-even do it (exact for |y| < 2**22; the caller clamps to 127 first).
-    if PRECISE:
-        return libdevice.rint(y)
-    else:
-        return (y + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -61,7 +51,7 @@ def _quantize(x, scale, PRECISE: tl.constexpr):
     nonzero = scale > 0
     divisor = tl.broadcast_to(tl.where(nonzero, scale, 1.0)[:, None], x.shape)
     y = tl.div_rn(x, divisor)  # IEEE division, as eager `x / scale`
-    y = _round_half_even(tl.minimum(tl.maximum(y, -127.0), 127.0), PRECISE)
+    y = round_half_even(tl.minimum(tl.maximum(y, -127.0), 127.0), PRECISE)  # torch.round's rule
     return tl.where(nonzero[:, None], y, 0.0).to(tl.int8)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from llmsys.triton_launch import call_below_autograd, refuse_double_backward, wants_grad
+from llmsys.triton_launch import call_below_autograd, checks, refuse_double_backward, wants_grad
 
 from . import ops  # registers torch.ops.llm_scaling_week.*
 
@@ -63,6 +63,9 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         ops.check_inputs("swiglu", a=a, b=b)  # a TypeError naming the argument
-    if wants_grad(a, b):
-        return _SwiGLUFunction.apply(a, b)
-    return call_below_autograd(ops.swiglu_fwd, a, b)
+    try:
+        if wants_grad(a, b):
+            return _SwiGLUFunction.apply(a, b)
+        return call_below_autograd(ops.swiglu_fwd, a, b)
+    except (TypeError, ValueError) as error:  # named as the caller called it
+        raise checks.as_called(error, "swiglu") from None

@@ -7,6 +7,7 @@ metadata (no device work, no synchronization), so they run on every call and und
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable
 
 import torch
@@ -133,3 +134,25 @@ def positive_int(owner: str, name: str, value: object) -> None:
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
+
+
+_OP_PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]*: ")
+
+
+def as_called(error: Exception, public: str, **renamed: str) -> Exception:
+    """``error``, raised by an op's argument check, as the public function ``public`` raises it:
+    the message names ``public`` instead of the op, and each op argument in ``renamed`` by its
+    public name (``x="weight"``). Any other exception comes back as it is.
+
+    For ``except (TypeError, ValueError) as error: raise checks.as_called(error, "swiglu") from
+    None`` around the op call in a public function: a ``try`` costs nothing until something is
+    raised, where a check in front of the op would cost every call.
+    """
+    message = str(error)
+    prefix = _OP_PREFIX.match(message)
+    if type(error) not in (TypeError, ValueError) or prefix is None:
+        return error
+    message = f"{public}: {message[prefix.end() :]}"
+    for op_name, public_name in renamed.items():
+        message = message.replace(f"`{op_name}`", f"`{public_name}`")
+    return type(error)(message)

@@ -73,10 +73,15 @@ def define_op(
     lib.define(schema)
     op = getattr(getattr(torch.ops, lib.ns), name).default
 
-    def kernel(
-        *args: Any,
-    ) -> Any:  # the op's entry: its impl, replayed from a recorded plan where it can be
-        return _impls[op](*args)
+    # The dispatcher hands a Python kernel its arguments without the trailing ones left at their
+    # defaults, and the native kernel all of them: the impl gets them all, so that a call by
+    # name has one signature either way (else the first call, which makes the native entry,
+    # would not count toward its plan).
+    defaults = tuple(argument.default_value for argument in op._schema.arguments)
+
+    # the op's entry: its impl, replayed from a recorded plan where it can be
+    def kernel(*args: Any) -> Any:
+        return _impls[op](*args, *defaults[len(args) :])
 
     for key in KERNEL_KEYS:
         lib.impl(name, kernel, key)
