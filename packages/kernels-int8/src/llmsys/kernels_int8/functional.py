@@ -226,7 +226,13 @@ def matmul_quantize_int8(
         raise checks.as_called(error, "matmul_quantize_int8", x="fpa") from None
 
 
-def _matmul_quantize(rows, lead, b, b_scale, out) -> torch.Tensor:
+def _matmul_quantize(
+    rows: torch.Tensor,
+    lead: tuple[int, ...],
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
     """``matmul_quantize_int8`` past its own checks, on ``fpa`` as (M, K) ``rows``."""
     q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
     if out is None:
