@@ -13,9 +13,12 @@ It matches ``torch.optim.AdamW`` (tested); use that one's ``fused=True`` for spe
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from torch.optim.optimizer import ParamsT
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 
 class AdamW(torch.optim.Optimizer):
