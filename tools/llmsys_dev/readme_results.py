@@ -527,6 +527,43 @@ def host_cost_table(root: Path) -> str:
     return head + "\n\n" + "\n".join(lines)
 
 
+DECODE_GEMM_COMMAND = "python packages/kernels-int8/benchmarks/decode_gemm.py"
+
+
+def decode_gemm_table(root: Path) -> str:
+    """kernels-int8's decode GEMM table: per shape, the fastest of the tuner's candidates, the
+    fastest of every configuration tried, the tuner's pick after a write flush, and a plain read
+    of the same weight bytes."""
+    rows = _read(root, "kernels-int8", "decode_gemm_h100.csv")
+    lines = [
+        "| M, K, N | the tuner's best | best of all | fraction of copy bandwidth "
+        "| after a write flush | a plain read of the bytes | target |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for shape in dict.fromkeys(r["x"] for r in rows):
+        of_shape = [r for r in rows if r["x"] == shape]
+        by_kind: dict[str, list[dict]] = {}
+        for r in of_shape:
+            by_kind.setdefault(r["config"].split(";")[0], []).append(r)
+        candidates = by_kind["the tuner's candidate"]
+        tuner = min(candidates, key=lambda r: float(r["p50"]))
+        best = min(candidates + by_kind["grid"], key=lambda r: float(r["p50"]))
+        flushed, read = by_kind["the tuner's best"][0], by_kind["a plain read of the same bytes"][0]
+        cells = [
+            ", ".join(part.split("=")[1] for part in shape.split()),
+            _time(float(tuner["p50"]), "ms"),
+            _time(float(best["p50"]), "ms"),
+            f"{float(tuner['roofline_fraction']):.0%} ({float(best['roofline_fraction']):.0%})",
+            _time(float(flushed["p50"]), "ms"),
+            _time(float(read["p50"]), "ms"),
+            tuner["config"].split("target ")[1],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    head = provenance(rows, DECODE_GEMM_COMMAND, "benchmarks/results/decode_gemm_h100.csv", "")
+    head = head.split("; medians")[0] + "; medians of each configuration, in microseconds."
+    return head + "\n\n" + "\n".join(lines)
+
+
 def _replace(text: str, name: str, body: str) -> str:
     start, end = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
     if start not in text:
@@ -543,6 +580,7 @@ def generate(root: Path, texts: dict[Path, str]) -> dict[Path, str]:
         text = texts.get(path, path.read_text())
         new = _replace(text, "root", root_table(root)) if path.parent == root else text
         new = _replace(new, "triton-launch-host-cost", host_cost_table(root))
+        new = _replace(new, "kernels-int8-decode-gemm", decode_gemm_table(root))
         for name, table in TABLES.items():
             if f"<!-- results:{name} -->" in new:
                 new = _replace(new, name, package_table(table, root))

@@ -20,7 +20,8 @@ strategy is built afresh in one process group, one after another:
   ``fully_shard`` on each pair of blocks).
 
 Strategies take turns in ``--rounds`` rounds (see ``strategies.py``). Both FSDPs reduce
-gradients in float32, so "bf16" compares equal settings. Each row carries the
+gradients in float32, so "bf16" compares equal settings but for the norms' gains (FSDP2 casts
+them to bf16; ours keeps them in float32, its mixed-precision policy). Each row carries the
 accounting model's predicted peak (``llmsys.profiling.infra.memory_model``) beside the measured one.
 ``--largest`` trains a model whose replicated AdamW state does not fit one GPU with FSDP bf16 and
 activation checkpointing for a few steps on one fixed batch and prints the loss falling.

@@ -6,6 +6,7 @@ single-process reference itself, so comparisons need no communication.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import weakref
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from llmsys.ddp import FSDP
@@ -167,11 +169,10 @@ def batches(kind, steps=STEPS):
     return [MODELS[kind][1](generator) for _ in range(steps)]
 
 
-def cast_inputs(inputs, dtype):
-    return inputs.to(dtype) if dtype is not None and inputs.is_floating_point() else inputs
-
-
 class Cast(nn.Module):
+    """A parametrization: the weight in ``dtype`` for forward and backward; the original stays
+    the master weight and its gradient comes back in the original's dtype."""
+
     def __init__(self, dtype):
         super().__init__()
         self.dtype = dtype
@@ -180,22 +181,45 @@ class Cast(nn.Module):
         return weight.to(self.dtype)
 
 
+def cast_floating_inputs(module, args, kwargs, dtype):
+    def cast(value):
+        return value.to(dtype) if torch.is_tensor(value) and value.is_floating_point() else value
+
+    return tree_map(cast, (args, kwargs))
+
+
+def mixed_precision(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """The mixed-precision policy of ``FSDP(compute_dtype=dtype)`` applied to a plain model, in
+    place: each module holding a parameter of two or more dimensions (``nn.Linear``,
+    ``nn.Embedding``, ``OwnLinear``) sees its floating parameters in ``dtype`` (through torch's
+    parametrizations: the originals stay the master weights and get their gradients in their
+    own dtype) and its floating inputs cast to ``dtype``; every other module (a norm) keeps its
+    parameters as they are."""
+    for module in list(model.modules()):
+        own = dict(module.named_parameters(recurse=False))
+        if not any(p.dim() >= 2 for p in own.values()):
+            continue
+        for name, param in own.items():
+            if param.is_floating_point():
+                parametrize.register_parametrization(module, name, Cast(dtype), unsafe=True)
+        module.register_forward_pre_hook(
+            functools.partial(cast_floating_inputs, dtype=dtype), with_kwargs=True
+        )
+    return model
+
+
 def train_single_process(kind, compute_dtype=None, steps=STEPS, optimizer="adamw", device="cpu"):
-    """The reference: the whole batch in one process; with ``compute_dtype`` every parameter
-    (through torch's own parametrizations) and floating input is cast for compute, and the
-    float master weights take the step."""
+    """The reference: the whole batch in one process; with ``compute_dtype``, under the
+    ``mixed_precision`` policy (float master weights take the step)."""
     torch.manual_seed(0)
     make, _, loss_fn = MODELS[kind]
     model = make().to(device)
     if compute_dtype is not None:
-        for module in list(model.modules()):
-            for name, _ in list(module.named_parameters(recurse=False)):
-                parametrize.register_parametrization(module, name, Cast(compute_dtype), unsafe=True)
+        mixed_precision(model, compute_dtype)
     optimizer = OPTIMIZERS[optimizer](model.parameters())
     for inputs, targets in batches(kind, steps):
         optimizer.zero_grad()
-        inputs, targets = inputs.to(device), targets.to(device)
-        loss_fn(model(cast_inputs(inputs, compute_dtype)), targets).backward()
+        loss_fn(model(inputs.to(device)), targets.to(device)).backward()
         optimizer.step()
     return model
 
@@ -287,6 +311,7 @@ def two_ranks():
     checks = {kind: (check_training, {"kind": kind}) for kind in MODELS}
     checks["float32"] = (check_float32_bit_for_bit, {})
     checks["compute dtypes"] = (check_compute_dtypes, {})
+    checks["issue 48 mixed precision"] = (check_issue_48_mixed_precision, {})
     checks["two blocks per gather"] = (check_two_blocks_per_gather, {})
     return run_in_turn(checks, world_size=2, timeout=400)
 
@@ -309,16 +334,16 @@ def test_three_ranks_pad_uneven_slices_and_load_a_one_rank_checkpoint(run_ranks,
 
 def count_gathers(monkeypatch) -> list[int]:
     """The number of weights in each all-gather FSDP starts from now on."""
-    from llmsys.ddp import fsdp
+    from llmsys.ddp import shards
 
     sizes = []
-    start = fsdp._Gather.__init__
+    start = shards.Gather.__init__
 
-    def counting(self, uses, dtype, owner):
-        sizes.append(len(uses))
-        start(self, uses, dtype, owner)
+    def counting(self, weights, *args):
+        sizes.append(len(weights))
+        start(self, weights, *args)
 
-    monkeypatch.setattr(fsdp._Gather, "__init__", counting)
+    monkeypatch.setattr(shards.Gather, "__init__", counting)
     return sizes
 
 
@@ -670,6 +695,106 @@ def test_compute_dtype_matches_single_process_casting_the_same_way(two_ranks):
     two_ranks.check("compute dtypes")
 
 
+def test_compute_dtype_on_one_rank_is_the_policy_bit_for_bit():
+    """Without a process group FSDP does the reference's arithmetic in the reference's order:
+    equal bit for bit, so a layer cast otherwise (a norm's gain in float16, a bias left in
+    float32) would show."""
+    for dtype, kind in itertools.product([torch.float16, torch.bfloat16], MODELS):
+        expected = train_single_process(kind, dtype, optimizer="sgd")
+        model, _ = train_fsdp(kind, 0, 1, dtype, optimizer="sgd")
+        assert_matches(expected, model.gather_full_params(), f"{kind} in {dtype}", atol=0.0)
+
+
+def record_dtypes(modules: dict[nn.Module, tuple[str, list[str]]]) -> list:
+    """Hooks noting, at each call of ``modules`` (module: its class name and its parameters'
+    names, taken before the policy changed them), the class, the floating inputs' dtypes and
+    the parameters' dtypes as its forward reads them. Register them after the policy's hooks,
+    whose work they must see."""
+    seen = []
+
+    def record(module, args):
+        layer, names = modules[module]
+        inputs = [a.dtype for a in args if torch.is_tensor(a) and a.is_floating_point()]
+        seen.append((layer, inputs, {name: getattr(module, name).dtype for name in names}))
+
+    for module in modules:
+        module.register_forward_pre_hook(record)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["tied", "blocks"])
+def test_compute_dtype_casts_matmul_and_lookup_layers_and_keeps_norms(kind, dtype):
+    """The policy layer by layer: every layer holding a 2-D weight (Linear, Embedding, the
+    user's OwnLinear) reads its parameters and inputs in the compute dtype; a norm reads its
+    float32 gain, as the single-process reference's layers do."""
+    make, batch, _ = MODELS[kind]
+    tokens, _ = batch(torch.Generator().manual_seed(0))
+    seen = {}
+    for name in ("reference", "FSDP"):
+        model = make()
+        modules = {
+            m: (type(m).__name__, [n for n, _ in m.named_parameters(recurse=False)])
+            for m in model.modules()
+        }
+        wrapped = mixed_precision(model, dtype) if name == "reference" else FSDP(model, dtype)
+        seen[name] = record_dtypes(modules)
+        wrapped(tokens)
+    assert seen["FSDP"] == seen["reference"]
+    for layer, inputs, params in seen["FSDP"]:
+        if layer == "RMSNorm":
+            assert params == {"gain": torch.float32}, inputs
+        elif params:
+            assert set(params.values()) == {dtype} and set(inputs) <= {dtype}, layer
+    layers = {layer for layer, _, _ in seen["FSDP"]}
+    assert {"Embedding", "Linear", "RMSNorm"} <= layers, layers
+
+
+class TwoNormLM(nn.Module):
+    """Issue 48's model: an embedding, two RMSNorms and three linear layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.norm = RMSNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.final_norm = RMSNorm(16)
+        self.head = nn.Linear(16, 32, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        h = h + self.down(F.silu(self.up(self.norm(h))))
+        return self.head(self.final_norm(h))
+
+
+def check_issue_48_mixed_precision(rank, world_size, device="cpu", atol=1e-5):
+    """Issue 48's case: SGD at lr 0.01 and a batch of 20 split over the ranks, 2 steps, in
+    float16 and bfloat16, against the ``mixed_precision`` reference on the whole batch."""
+    generator = torch.Generator().manual_seed(48)
+    steps = [torch.randint(0, 32, (2, 20, 9), generator=generator).to(device) for _ in range(2)]
+    mine = slice(rank * 20 // world_size, (rank + 1) * 20 // world_size)
+    for dtype in (torch.float16, torch.bfloat16):
+        torch.manual_seed(0)
+        reference = mixed_precision(TwoNormLM().to(device), dtype)
+        torch.manual_seed(rank)
+        model = FSDP(TwoNormLM().to(device), dtype)
+        for net, rows in ((reference, slice(None)), (model, mine)):
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+            for tokens, targets in steps:
+                optimizer.zero_grad()
+                token_loss(net(tokens[rows]), targets[rows]).backward()
+                if net is model:
+                    model.finish_gradient_synchronization()
+                optimizer.step()
+        label = f"issue 48 in {dtype} on {device}"
+        assert_matches(reference, model.gather_full_params(), label, atol=atol)
+
+
+def test_issue_48_mixed_precision_case(two_ranks):
+    two_ranks.check("issue 48 mixed precision")
+
+
 def check_clip_grad_norm(rank, world_size):
     """The norm is global (every slice and replicated gradient), as is the clipping."""
     inputs, targets = batches("tied", 1)[0]
@@ -732,7 +857,8 @@ def test_bad_arguments_are_named():
 
 
 def check_on_gpus(rank, world_size):
-    """float64 training against the reference, then bf16 compute, on one GPU per rank."""
+    """float64 training against the reference, then bf16 compute, then issue 48's float16 and
+    bfloat16 case, on one GPU per rank."""
     torch.set_default_dtype(torch.float64)
     for kind in MODELS:
         expected = train_single_process(kind, device="cuda")
@@ -751,6 +877,8 @@ def check_on_gpus(rank, world_size):
         blocks_per_gather=2,
     )  # fmt: skip
     assert_matches(expected, model.gather_full_params(), "2 blocks per gather on cuda", atol=1e-3)
+    # The issue expected 1e-4 on CUDA, where it measured 3.7e-4 under the earlier policy.
+    check_issue_48_mixed_precision(rank, world_size, device="cuda", atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -1083,3 +1211,31 @@ def test_the_state_dict_flags_take_only_a_bool():
     with pytest.raises(TypeError, match=r"FSDP.state_dict: `keep_vars` must be a bool, got str"):
         model.state_dict(keep_vars="yes")
     model.load_state_dict(full, strict=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compute_dtype_with_the_fused_norm_and_loss_is_the_policy(dtype):
+    """The profiling model's fused loss reads lm_head's weight outside lm_head (in the compute
+    dtype under the policy), after a final norm whose float32 gain leaves float32 hidden
+    states: one SGD step on one rank is the reference's, bit for bit."""
+    from llmsys.profiling.config import ModelConfig
+    from llmsys.profiling.model import TransformerLM
+
+    config = ModelConfig(
+        vocab_size=61, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64,
+        norm="fused", loss="fused",
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 61, (2, 16), generator=generator)
+    targets = torch.randint(0, 61, (2, 16), generator=generator)
+    torch.manual_seed(0)
+    reference = mixed_precision(TransformerLM(config), dtype)
+    torch.manual_seed(0)
+    model = FSDP(TransformerLM(config), dtype)
+    for trained in (reference, model):
+        optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+        trained(tokens, targets).backward()
+        if trained is model:
+            model.finish_gradient_synchronization()
+        optimizer.step()
+    assert_matches(reference, model.gather_full_params(), f"fused norm and loss in {dtype}", 0.0)

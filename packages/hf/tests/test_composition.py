@@ -73,9 +73,7 @@ COMPATIBILITY = {
     "state_dict() into a fresh model": serving(),
     "copy.deepcopy": serving(),
     ".to(torch.bfloat16)": serving(),
-    "generate": serving(  # its static cache needs a mask, which llmsys_fa2 does not take
-        Refused(ValueError, r"'llmsys_fa2'.* static KV cache .* need a mask", "refused: sdpa first")
-    ),
+    "generate": serving(),  # the static cache read by flash-attn2 after either rewrite
     "LoRA-style adapters on the linears, before": {
         "apply_llmsys": WORKS,
         "quantize_model": Refused(

@@ -35,15 +35,16 @@ A sharded weight must be read inside the ``forward`` of its block (as every laye
 weights, and a fused loss in the model's forward reads the output layer's); read elsewhere it is
 the 1-D slice. A checkpoint that recomputes part of a block in
 backward gathers the whole block.
+
+This module is the schedule: the wrapper and its hooks, which decide when a block is gathered,
+dropped and reduce-scattered. The slices and the collectives themselves are ``shards.py``'s.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Mapping
 from numbers import Integral
-from typing import Any
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,107 +52,43 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .base import DataParallelBase
+from .shards import Gather, ReduceScatter, Shard, is_sharded
 from .wrappers import all_reduce_flat
-
-# torch 2.13 renamed the single-tensor collectives and warns on the old names, which are all that
-# older torch has.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-
-# (owner module, attribute name, parameter), and a unit: (its module, its attributes)
-_Attribute = tuple[nn.Module, str, nn.Parameter]
-_Unit = tuple[nn.Module, list[_Attribute]]
 
 IN_FLIGHT_REDUCE_SCATTERS = 2  # beyond this, the oldest is waited for (its full gradients freed)
 
 
-def _check_flags(owner: str, **flags: object) -> None:
+def _check_flags(owner: str, **flags) -> None:
     """Each of ``flags`` a bool, else a ``TypeError`` naming it."""
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{owner}: `{name}` must be a bool, got {type(value).__name__}")
 
 
-def is_sharded(param: torch.Tensor) -> bool:
-    """The sharding rule: a 2-D parameter (a matmul's or a lookup's weight) is sharded."""
-    return param.dim() == 2
-
-
-class _Shard:
-    """One sharded parameter: its full shape and how its flat, padded form splits over ranks."""
-
-    def __init__(self, param: nn.Parameter, name: str, rank: int, world_size: int):
-        self.param, self.name = param, name
-        self.shape = param.shape
-        self.numel = param.numel()
-        self.size = math.ceil(self.numel / world_size)  # elements per rank
-        self.padded = self.size * world_size
-        self.rank = rank
-
-    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full-size tensor (a fresh tensor, zero-padded at the end)."""
-        flat = full.detach().reshape(-1)
-        start = self.rank * self.size
-        piece = flat[start : min(start + self.size, self.numel)]
-        out = torch.zeros(self.size, dtype=full.dtype, device=full.device)
-        out[: piece.numel()] = piece
-        return out
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpoint's
+    recomputation runs the forward there)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class _Use:
     """One forward use of a sharded weight: its full copy while forward or backward needs it."""
 
-    def __init__(self, shard: _Shard, unit: int):
+    def __init__(self, shard: Shard, unit: int):
         self.shard, self.unit = shard, unit
         self.full: torch.Tensor | None = None  # (shape) in the compute dtype, when gathered
-        self.gather: _Gather | None = None  # the all-gather still running for it, if any
+        self.gather: _Gathering | None = None  # the all-gather still running for it, if any
         self.saved = False  # autograd saved it: backward will gather it again
         self.previous: _Use | None = None  # the last use of the block before, in the forward
         self.cohort: list[_Use] = [self]  # the uses gathered with it in forward
         self.cohort_grads = int(shard.param.requires_grad)  # gradients the cohort will receive
 
 
-class _Gather:
-    """One all-gather of several weights' slices (a block's), copied out into each full weight
-    once it is done.
+class _Gathering(NamedTuple):
+    """An all-gather in flight and the uses whose full weights it brings."""
 
-    Rank r's part of the gathered buffer holds its slices of every weight one after another, so
-    viewed as (ranks, total) the columns of one weight, read row by row, are its padded flat
-    form: one split-copy makes every full weight contiguous.
-    """
-
-    def __init__(self, uses: list[_Use], dtype: torch.dtype, fsdp: FSDP):
-        self.uses = uses
-        self.sizes = [use.shard.size for use in uses]
-        device = uses[0].shard.param.device
-        send = torch.empty(sum(self.sizes), dtype=dtype, device=device)
-        torch._foreach_copy_(list(send.split(self.sizes)), [u.shard.param.detach() for u in uses])
-        self.gathered: torch.Tensor | None = torch.empty(
-            fsdp.world_size * send.numel(), dtype=dtype, device=device
-        )
-        self.work: dist.Work | None = None
-        if fsdp.world_size == 1:
-            self.gathered.copy_(send)
-        else:
-            self.work = _all_gather_single(
-                self.gathered, send, group=fsdp.process_group, async_op=True
-            )
-        self.world_size = fsdp.world_size
-        for use in uses:
-            use.full, use.gather = None, self
-
-    def finish(self) -> None:
-        if self.work is not None:
-            self.work.wait()  # on a GPU the stream waits, not the host
-        assert self.gathered is not None  # (finish runs once)
-        rows = self.gathered.view(self.world_size, -1)
-        padded = [rows.new_empty(self.world_size, size) for size in self.sizes]
-        torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=padded)
-        for use, flat in zip(self.uses, padded, strict=True):
-            if use.gather is self:
-                use.full = flat.view(-1)[: use.shard.numel].view(use.shard.shape)
-                use.gather = None
-        self.uses, self.gathered, self.work = [], None, None
+    gather: Gather
+    uses: list[_Use]
 
 
 class _SavedWeight:
@@ -168,15 +105,13 @@ class _GatheredWeights(torch.autograd.Function):
     hands them to the reduce-scatter."""
 
     @staticmethod
-    def forward(
-        ctx: Any, fsdp: FSDP, uses: list[_Use], *shards: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
+    def forward(ctx, fsdp, uses, *shards):
         ctx.fsdp, ctx.uses = fsdp, uses
         ctx.set_materialize_grads(False)  # a weight the forward did not use gets None
         return tuple(use.full for use in uses)
 
     @staticmethod
-    def backward(ctx: Any, *grads_full: torch.Tensor | None) -> tuple[None, ...]:
+    def backward(ctx, *grads_full):
         for use, grad_full in zip(ctx.uses, grads_full, strict=True):
             if grad_full is not None:
                 ctx.fsdp._gradient_arrived(use, grad_full)
@@ -191,10 +126,24 @@ class FSDP(DataParallelBase):
             build the same model; rank 0's values win. It stays reachable as ``.module`` and
             its 2-D parameters become this rank's slices (see the module docstring).
         compute_dtype: ``None`` (compute in the parameters' dtype) or a floating dtype such as
-            ``torch.bfloat16``: weights are cast before the all-gather (fewer bytes on the
-            wire), every parameter and floating input is used in that dtype, and the master
-            weights, the gradients the optimizer sees and its state stay in the parameters'
-            dtype. Gradients are reduced in the parameters' dtype.
+            ``torch.bfloat16`` for mixed precision, by this policy:
+
+            - a layer that holds a weight of two or more dimensions (``nn.Linear``,
+              ``nn.Embedding``, a user's matmul layer, a stack of experts) runs in
+              ``compute_dtype``, forward and backward: its floating parameters (the weight and
+              its bias) and the floating tensors passed to it are cast. Sharded weights are
+              cast before the all-gather (fewer bytes on the wire);
+            - every other layer keeps its parameters' dtype: a norm's gain stays float32 (the
+              norm's output has whatever dtype its forward makes; the next layer casts it);
+            - the master weights, the gradients the optimizer sees and its state stay in the
+              parameters' dtype: each gradient is cast to it before it is reduced, so the
+              reduce-scatter (and the replicated parameters' all-reduce) sums in float32.
+
+            Nothing else is cast: not the model's own arithmetic between layers, its buffers or
+            its outputs, and not a weight read outside its layer (a fused loss reading the
+            output layer's weight gets it in ``compute_dtype`` and must bring its input in that
+            dtype). On one process, the same policy is the model with each such layer's
+            parameters and inputs cast (``tests/test_fsdp.py``'s ``mixed_precision``).
         process_group: the ranks to shard over (default: all).
         blocks_per_gather: how many consecutive items of each innermost ``nn.ModuleList`` (a
             Transformer's layers; a list of experts too) travel together, in one all-gather and
@@ -235,23 +184,21 @@ class FSDP(DataParallelBase):
                 f"compute_dtype must be None or a floating torch.dtype, got {compute_dtype!r}"
             )
         super().__init__(module, process_group=process_group)
-        self.compute_dtype: torch.dtype | None = compute_dtype
-        self._shards: dict[nn.Parameter, _Shard] = {}
+        self.compute_dtype = compute_dtype
+        # (decided before sharding, which leaves every parameter 1-D)
+        cast_layers = [m for m in module.modules() if runs_in_compute_dtype(m)]
+        self._shards: dict[nn.Parameter, Shard] = {}
         for name, param in module.named_parameters():
             if is_sharded(param):
-                shard = _Shard(param, name, self.rank, self.world_size)
+                shard = Shard(param, name, self.rank, self.world_size)
                 param.data = shard.slice_of(param)
                 self._shards[param] = shard
         self._claim_module(for_good=True)  # sharded in place: never wrap it again
         # A unit: a block (an item of the innermost nn.ModuleList) or a module outside every
         # list, with the (owner, attribute, parameter) triples it gathers or casts.
-        self._units: list[_Unit] = _units(
-            module, self._shards, replicated_cast=compute_dtype is not None
-        )
-        self._group_of: list[int] = _blocks(
-            module, [site for site, _ in self._units], blocks_per_gather
-        )
-        self._sharded_of: list[list[_Attribute]] = [
+        self._units = _units(module, self._shards, cast_layers if compute_dtype else [])
+        self._group_of = _blocks(module, [site for site, _ in self._units], blocks_per_gather)
+        self._sharded_of = [
             [(o, n, p) for o, n, p in attributes if p in self._shards]
             for _, attributes in self._units
         ]
@@ -268,11 +215,13 @@ class FSDP(DataParallelBase):
             site.register_forward_pre_hook(lambda m, args, u=unit: self._running.add(u))
             for owner in dict.fromkeys(owner for owner, _, _ in attributes):
                 owner.register_forward_pre_hook(lambda m, args, u=unit: self._enter(u))
+                if compute_dtype is not None:  # (every owner runs in compute_dtype)
+                    owner.register_forward_pre_hook(self._cast_inputs, with_kwargs=True)
             site.register_forward_hook(
                 lambda m, args, out, u=unit: self._leave(u), always_call=True
             )
         self._order: list[int] = []  # units with sharded weights, in the last forward's order
-        self._position: int = 0  # how many of them ran in this forward
+        self._position = 0  # how many of them ran in this forward
         self._prefetched: dict[int, list[_Use]] = {}
         self._finished: set[int] = set()  # units whose gradients arrived in this backward
         # unit -> (its uses, whether autograd records them) while its forward runs
@@ -281,14 +230,12 @@ class FSDP(DataParallelBase):
         self._live: dict[int, _Use] = {}  # storage address of a full weight in forward -> use
         self._last_use: _Use | None = None
         self._pending: list[tuple[_Use, torch.Tensor]] = []  # a block's full gradients so far
-        self._reducing: deque = deque()  # (work, send buffer, slice sums, shards) in flight
-        self._reduced: list[tuple[_Shard, torch.Tensor]] = []  # slice sums ready for .grad
+        self._reducing: deque[ReduceScatter] = deque()  # in flight
+        self._reduced: list[tuple[Shard, torch.Tensor]] = []  # slice sums ready for .grad
 
     # -- the public contract ----------------------------------------------------------------
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.compute_dtype is not None:
-            args, kwargs = tree_map(self._cast_input, (args, kwargs))
+    def forward(self, *args, **kwargs):
         self._position, self._last_use = 0, None
         self._finished.clear()
         # Full weights left by a block's module called on its own since the last forward may
@@ -308,7 +255,7 @@ class FSDP(DataParallelBase):
         while self._reducing:
             self._finish_oldest_reduce_scatter()
         self._drop_prefetched()
-        sums: dict[_Shard, torch.Tensor] = {}
+        sums = {}
         for shard, piece in self._reduced:
             sums[shard] = piece if shard not in sums else sums[shard].add_(piece)
         self._reduced = []
@@ -329,11 +276,7 @@ class FSDP(DataParallelBase):
         """Every parameter at full size, under the unwrapped module's names (a copy)."""
         return {name: self._gather_full(param) for name, param in self.module.named_parameters()}
 
-    # torch types state_dict as two overloads with a keyword-only destination; this one keeps
-    # the positional destination torch itself accepts.
-    def state_dict(  # type: ignore[override]
-        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
-    ) -> dict[str, Any]:
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
         """The unwrapped module's full state dict (parameters gathered, on the CPU).
 
         Raises:
@@ -346,9 +289,7 @@ class FSDP(DataParallelBase):
             out[prefix + name] = full.cpu()
         return out
 
-    def load_state_dict(
-        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (from ``state_dict()`` on any world size, or an unwrapped
         model's) into this rank's slices and replicated parameters.
 
@@ -420,13 +361,21 @@ class FSDP(DataParallelBase):
 
     # -- gathering ---------------------------------------------------------------------------
 
-    def _reduced_parameters(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
+    def _reduced_parameters(self, trainable):
         return [p for p in trainable if not is_sharded(p)]
 
     def _synchronize(self) -> None:
-        all_reduce_flat(self)  # the replicated parameters: few and small
+        # the replicated parameters: few and small
+        all_reduce_flat(
+            self.local_gradients(), self.used_everywhere, self.process_group, self.world_size
+        )
 
-    def _cast_input(self, value: object) -> object:
+    def _cast_inputs(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A forward pre-hook of each layer that runs in ``compute_dtype``: its floating inputs
+        cast to it."""
+        return tree_map(self._cast_input, (args, kwargs))
+
+    def _cast_input(self, value):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.to(self.compute_dtype)
         return value
@@ -438,25 +387,27 @@ class FSDP(DataParallelBase):
             dtype = self.compute_dtype or use.shard.param.dtype
             by_dtype.setdefault(dtype, []).append(use)
         for dtype, same in by_dtype.items():
-            _Gather(same, dtype, self)
+            gather = Gather([u.shard for u in same], dtype, self.process_group, self.world_size)
+            gathering = _Gathering(gather, same)
+            for use in same:
+                use.full, use.gather = None, gathering
 
     def _ready(self, use: _Use) -> torch.Tensor:
-        if use.gather is not None:
-            use.gather.finish()
-        assert use.full is not None  # (gathered, or finished just now)
+        """``use``'s full weight, once its all-gather is done (which makes the full weights of
+        every use gathered with it)."""
+        gathering = use.gather
+        if gathering is not None:
+            fulls = gathering.gather.wait()
+            for other, full in zip(gathering.uses, fulls, strict=True):
+                if other.gather is gathering:  # (not gathered again since)
+                    other.full, other.gather = full, None
         return use.full
 
     def _gather_full(self, param: nn.Parameter) -> torch.Tensor:
         shard = self._shards.get(param)
         if shard is None:
             return param.detach().clone()
-        source = param.detach()
-        out = torch.empty(shard.padded, dtype=source.dtype, device=source.device)
-        if self.world_size == 1:
-            out.copy_(source)
-        else:
-            _all_gather_single(out, source, group=self.process_group)
-        return out[: shard.numel].view(shard.shape)
+        return shard.gather_full(self.process_group)
 
     def _enter(self, unit: int) -> None:
         """One of ``unit``'s modules is about to run."""
@@ -473,7 +424,7 @@ class FSDP(DataParallelBase):
         self._after(unit)
 
     def _before(self, unit: int) -> None:
-        if torch._C._current_graph_task_id() != -1:
+        if _in_backward():
             # Recomputing in backward: a unit an earlier recomputation left full (part of a
             # block recomputed outside the block's forward, whose hook never ran; frozen
             # weights get no gradient to release them) is done with: autograd keeps what it
@@ -482,8 +433,9 @@ class FSDP(DataParallelBase):
                 self._after(other)
         uses: list[_Use] = []
         if self._sharded_of[unit]:
-            prefetched = self._prefetched.pop(unit, None)
-            uses = prefetched if prefetched is not None else self._start_unit(unit)
+            uses = self._prefetched.pop(unit, None)
+            if uses is None:
+                uses = self._start_unit(unit)
             self._note_order(unit)
             for use in uses:
                 full = self._ready(use)
@@ -535,7 +487,7 @@ class FSDP(DataParallelBase):
         group = self._group_of[unit]
         later = None  # recomputing in backward: only units from this one on whose backward is
         # still to come will run
-        if torch._C._current_graph_task_id() != -1 and unit in self._order:
+        if _in_backward() and unit in self._order:
             later = set(self._order[self._order.index(unit) :])
         members = [
             u
@@ -570,7 +522,7 @@ class FSDP(DataParallelBase):
 
     def _note_order(self, unit: int) -> None:
         """Record the forward's order of sharded units and prefetch the next one."""
-        if torch._C._current_graph_task_id() != -1:
+        if _in_backward():
             # Recomputing a checkpointed segment inside backward: its units run in forward
             # order, so prefetch the next one, unless backward has already passed it.
             position = self._order.index(unit) if unit in self._order else len(self._order)
@@ -610,7 +562,7 @@ class FSDP(DataParallelBase):
 
     # -- what autograd saves ----------------------------------------------------------------
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedWeight:
+    def _pack(self, tensor: torch.Tensor):
         if self._live:  # called for every tensor autograd saves: kept to one lookup
             try:
                 use = self._live.get(tensor.untyped_storage().data_ptr())
@@ -621,7 +573,7 @@ class FSDP(DataParallelBase):
                 return _SavedWeight(use, tensor)
         return tensor
 
-    def _unpack(self, saved: torch.Tensor | _SavedWeight) -> torch.Tensor:
+    def _unpack(self, saved):
         if not isinstance(saved, _SavedWeight):
             return saved
         use = saved.use
@@ -666,52 +618,24 @@ class FSDP(DataParallelBase):
         them (one in all for a block of one dtype), so each slice comes back in its
         parameter's dtype."""
         pending, self._pending = self._pending, []
-        by_dtype: dict[torch.dtype, list[tuple[_Shard, torch.Tensor]]] = {}
+        by_dtype: dict[torch.dtype, list[tuple[Shard, torch.Tensor]]] = {}
         for use, grad in pending:
             by_dtype.setdefault(use.shard.param.dtype, []).append((use.shard, grad))
         for same in by_dtype.values():
             self._reduce_scatter(same)
 
-    def _reduce_scatter(self, pending: list[tuple[_Shard, torch.Tensor]]) -> None:
-        """Reduce-scatter full gradients of parameters of one dtype in one collective.
-
-        As in ``_Gather``, the send buffer is viewed as (ranks, total): the columns of one
-        weight hold its padded flat gradient row by row, so rank r receives its slice of every
-        weight one after another. The gradients are copied (and cast to the parameters' dtype)
-        straight into their columns: one concatenation for all of them."""
-        shards = [shard for shard, _ in pending]
-        sizes = [shard.size for shard in shards]
-        first = shards[0].param
-        send = torch.empty(self.world_size, sum(sizes), dtype=first.dtype, device=first.device)
-        columns = []
-        for shard, grad in pending:
-            if shard.numel != shard.padded:  # the last rank's slice ends in zeros
-                grad = torch.cat([grad.reshape(-1), grad.new_zeros(shard.padded - shard.numel)])
-            columns.append(grad.reshape(self.world_size, shard.size))
-        torch.cat(columns, dim=1, out=send)
-        received = send.new_empty(sum(sizes))
-        if self.world_size == 1:
-            received.copy_(send.view(-1))
-            self._reduced.extend(zip(shards, received.split(sizes), strict=True))
+    def _reduce_scatter(self, pending: list[tuple[Shard, torch.Tensor]]) -> None:
+        """Reduce-scatter full gradients of parameters of one dtype in one collective."""
+        reduce = ReduceScatter(pending, self.process_group, self.rank, self.world_size)
+        if reduce.work is None:  # one rank: nothing in flight
+            self._reduced.extend(reduce.wait())
             return
-        try:
-            work = _reduce_scatter_single(
-                received, send.view(-1), group=self.process_group, async_op=True
-            )
-        except (RuntimeError, NotImplementedError):
-            if dist.get_backend(self.process_group) == "nccl":
-                raise
-            # gloo before torch 2.8 has no reduce-scatter: all-reduce and keep this rank's row
-            work = dist.all_reduce(send, group=self.process_group, async_op=True)
-            received = send[self.rank]
-        self._reducing.append((work, send, received.split(sizes), shards))
+        self._reducing.append(reduce)
         if len(self._reducing) > IN_FLIGHT_REDUCE_SCATTERS:
             self._finish_oldest_reduce_scatter()
 
     def _finish_oldest_reduce_scatter(self) -> None:
-        work, _, pieces, shards = self._reducing.popleft()
-        work.wait()
-        self._reduced.extend(zip(shards, pieces, strict=True))
+        self._reduced.extend(self._reducing.popleft().wait())
 
 
 def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1) -> list[int]:
@@ -719,15 +643,14 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
     innermost one: a Transformer's layer, or one expert of a list of experts inside it) share
     one, and so do the items ``i`` whose ``i // items_per_block`` is equal; any other owner is its
     own."""
-    block_of: dict[int, object] = {}  # id(module) -> (id(its list), chunk), for modules inside one
+    block_of: dict[int, tuple] = {}  # id(module) -> (id(its list), chunk), for modules inside one
 
     def visit(parent: nn.Module, block: object) -> None:
         is_list = isinstance(parent, nn.ModuleList)
-        children = parent if isinstance(parent, nn.ModuleList) else parent.children()
-        for index, child in enumerate(children):
+        for index, child in enumerate(parent if is_list else parent.children()):
             if id(child) in block_of:  # shared by two blocks: the first keeps it
                 continue
-            inner: object = (id(parent), index // items_per_block) if is_list else block
+            inner = (id(parent), index // items_per_block) if is_list else block
             if inner is not None:
                 block_of[id(child)] = inner
             visit(child, inner)
@@ -740,9 +663,16 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
     ]
 
 
-def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list[_Unit]:
+def runs_in_compute_dtype(layer: nn.Module) -> bool:
+    """The mixed-precision rule: a layer that holds a weight of two or more dimensions (a
+    matmul's, a lookup's, a stack of experts') computes in ``compute_dtype``; any other (a norm,
+    whose gain is 1-D) keeps its parameters' dtype."""
+    return any(p.dim() >= 2 for p in layer.parameters(recurse=False))
+
+
+def _units(module: nn.Module, shards: dict, cast_layers: list[nn.Module]) -> list:
     """(unit module, [(owner, attribute, parameter)]) for the parameters FSDP handles: the
-    sharded ones and, when parameters are cast for compute, any floating one. An owner inside
+    sharded ones and every floating one of ``cast_layers``. An owner inside
     an item of an ``nn.ModuleList`` (the innermost one) belongs to that item's unit; the owners
     outside every list (embeddings, the final norm, the output layer) form the unit of the
     whole ``module``, full while its forward runs: a model may read them outside their own
@@ -757,12 +687,14 @@ def _units(module: nn.Module, shards: dict, *, replicated_cast: bool) -> list[_U
                 visit(child, item_of[id(child)])
 
     visit(module, None)
-    units: dict[int, _Unit] = {}
+    units: dict[int, tuple[nn.Module, list]] = {}
+    cast_ids = {id(layer) for layer in cast_layers}
     for owner in module.modules():
+        cast = id(owner) in cast_ids
         attributes = [
             (owner, name, p)
             for name, p in owner._parameters.items()
-            if p is not None and (p in shards or (replicated_cast and p.is_floating_point()))
+            if p is not None and (p in shards or (cast and p.is_floating_point()))
         ]
         if attributes:
             site = item_of.get(id(owner)) or module

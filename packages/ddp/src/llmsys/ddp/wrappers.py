@@ -69,26 +69,36 @@ class DDPFlat(DataParallelBase):
     """
 
     def _synchronize(self) -> None:
-        all_reduce_flat(self)
+        all_reduce_flat(
+            self.local_gradients(), self.used_everywhere, self.process_group, self.world_size
+        )
 
 
-def all_reduce_flat(wrapper: DataParallelBase) -> None:
-    """Average ``wrapper.params``' gradients with one all-reduce per dtype (DDPFlat's way)."""
-    local = wrapper.local_gradients()
+def all_reduce_flat(
+    gradients: list[torch.Tensor],
+    used_everywhere: Callable[[], list[bool]],
+    group: dist.ProcessGroup | None,
+    world_size: int,
+) -> None:
+    """Average ``gradients`` over the ranks of ``group`` with one all-reduce per dtype
+    (DDPFlat's way), in place. ``used_everywhere()`` (a wrapper's) says which gradients any rank
+    had; the others are reduced too, so every rank issues the same collectives, but left as they
+    were. It is asked once the all-reduces are issued: where it raises (ranks disagree), this
+    rank has issued the collectives the others wait for."""
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, grad in enumerate(local):
+    for index, grad in enumerate(gradients):
         by_dtype.setdefault(grad.dtype, []).append(index)
     flats = {}
     for dtype, indices in by_dtype.items():
-        flats[dtype] = torch.cat([local[i].reshape(-1) for i in indices])
-        dist.all_reduce(flats[dtype], group=wrapper.process_group)
-    used = wrapper.used_everywhere()
+        flats[dtype] = torch.cat([gradients[i].reshape(-1) for i in indices])
+        dist.all_reduce(flats[dtype], group=group)
+    used = used_everywhere()
     for dtype, indices in by_dtype.items():
-        flat = flats[dtype].div_(wrapper.world_size)
-        pieces = flat.split([local[i].numel() for i in indices])
+        flat = flats[dtype].div_(world_size)
+        pieces = flat.split([gradients[i].numel() for i in indices])
         for i, piece in zip(indices, pieces, strict=True):
             if used[i]:
-                local[i].copy_(piece.view_as(local[i]))
+                gradients[i].copy_(piece.view_as(gradients[i]))
 
 
 class _Bucket:

@@ -62,7 +62,9 @@ def apply_llmsys(
     Each replaced forward is that module's alone (``llmsys.hf.rewrite``): other models in the
     process keep transformers' code, and the model still pickles, deep-copies and checkpoints
     its layers (``gradient_checkpointing_enable``) as before. Generation with a KV cache works
-    (llmsys_fa2 decodes one token at a time); the model works under ``torch.compile``.
+    (llmsys_fa2 decodes one token at a time over a ``DynamicCache``; with ``attention`` and
+    ``rotary``, a ``StaticCache``, as ``llmsys.hf.generate`` fills, is read in place by
+    flash-attn2's decode kernel); the model works under ``torch.compile``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_llmsys: `model` must be an nn.Module, got {type(model).__name__}")

@@ -18,21 +18,37 @@ over a ``DynamicCache`` (decoding). Everything else needs a mask the kernel cann
 raises a ``ValueError`` saying which case it is and what to do: a padded ``attention_mask``, packed
 sequences, a static KV cache, several new tokens over a non-empty cache, a sliding window or
 attention chunk shorter than the sequence, attention dropout, logit soft-capping, attention sinks,
-or a ready-made 4-D mask. transformers is imported only when ``register_flash_attention`` runs.
+or a ready-made 4-D mask. transformers is imported only when a ``register_*`` function runs.
+
+A static KV cache (``StaticCache``, which ``llmsys.hf.generate`` fills) offers all its slots,
+filled or not, so attention over it needs each sequence's length. Where a forward over one is
+plain causal attention over the cache's first slots (no padding, no dropped tokens, no window
+shorter than the cache, at most 16 new tokens unless the cache is empty), the mask function
+says so by returning :func:`static_cache_mask`: an empty ``(batch, 1, q_len, 0)`` tensor, which
+transformers hands to every layer unchanged (its ``generate`` even builds it ahead of the
+forward) and which no real mask is (no keys). The attention forward of ``apply_llmsys`` (its
+rotary part) and of ``quantize_model`` serves it (:func:`static_cache_attention`): at most 16
+new tokens through ``decode_attention``, reading the cache's own tensors in place with the
+cache's length on the device (no host sync: a CUDA graph replays it), more (a prompt into an
+empty cache) through ``flash_attention`` on the new keys and values. transformers' own attention
+forward hands it to the attention function, which refuses it: it cannot know the lengths.
+
+``"llmsys_serve"`` (:func:`register_serving_attention`; ``quantize_model`` sets it) is SDPA but
+for that verdict: a forward over a static cache that is plain causal attention goes through
+flash-attn2 as above, every other one gets SDPA's mask and SDPA, padding included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 
-from llmsys.flash_attn2 import flash_attention
+from llmsys.flash_attn2 import decode_attention, flash_attention
+from llmsys.flash_attn2.decode import MAX_Q_LEN
 
-# Not "llmsys_flash_attn2": transformers takes any name containing "flash" for a FlashAttention
-# varlen kernel and tries to load it as one.
+# Not "llmsys_flash_attn2" or "..._sdpa": transformers takes a name containing "flash" for a
+# FlashAttention varlen kernel and tries to load it, and one containing "sdpa" for its SDPA.
 ATTN_IMPLEMENTATION = "llmsys_fa2"
+SERVING_IMPLEMENTATION = "llmsys_serve"
 _FALLBACK = "use attn_implementation='sdpa' for such inputs"
 
 
@@ -42,14 +58,29 @@ def register_flash_attention() -> str:
     Raises:
         ImportError: transformers is not installed (``pip install llmsys-hf``).
     """
+    return _register(ATTN_IMPLEMENTATION, flash_attention_interface, causal_mask)
+
+
+def register_serving_attention() -> str:
+    """Register ``"llmsys_serve"`` with transformers (idempotent); returns the name: SDPA, except
+    that plain causal attention over a static KV cache goes through flash-attn2 in llmsys'
+    attention forwards (the module docstring says how).
+
+    Raises:
+        ImportError: transformers is not installed (``pip install llmsys-hf``).
+    """
+    return _register(SERVING_IMPLEMENTATION, serving_attention_interface, serving_mask)
+
+
+def _register(name: str, attention, mask) -> str:
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as error:
         raise ImportError("llmsys.hf needs transformers: pip install llmsys-hf") from error
-    AttentionInterface.register(ATTN_IMPLEMENTATION, flash_attention_interface)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, causal_mask)
-    return ATTN_IMPLEMENTATION
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+    return name
 
 
 def _refuse(what: str) -> ValueError:
@@ -69,19 +100,21 @@ def causal_mask(
     attention_mask: torch.Tensor | None = None,
     allow_is_causal_skip: bool = True,
     local_size: int | None = None,
-    **kwargs: Any,
-) -> None:
+    **kwargs,
+) -> torch.Tensor | None:
     """transformers' mask function for this implementation: None where plain causal attention is
-    exact, else a ``ValueError``. Called by the model's ``create_*_mask`` once per forward, with
-    the sizes of the call (``q_offset``: tokens already cached; ``kv_length``: keys attended)."""
+    exact, :func:`static_cache_mask` where it is exact over a static KV cache's first slots,
+    else a ``ValueError``. Called by the model's ``create_*_mask`` once per forward, with the
+    sizes of the call (``q_offset``: tokens already cached; ``kv_length``: keys attended)."""
+    if _over_a_static_cache(q_length, kv_length, q_offset, kv_offset):
+        why = _static_cache_refusal(
+            batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+            allow_is_causal_skip, local_size, kwargs,
+        )  # fmt: skip
+        if why:
+            raise _refuse(why)
+        return static_cache_mask(batch_size, q_length, kwargs.get("device"))
     seen = q_offset + q_length  # tokens of the sequence so far, these queries included
-    # StaticCache counts its tokens on the device (a tensor offset) and hands out all its slots
-    if isinstance(q_offset, torch.Tensor) or (kv_offset == 0 and kv_length > seen):
-        raise _refuse(
-            f"{kv_length} keys for {seen} tokens: a static KV cache (StaticCache, "
-            "cache_implementation='static') has unfilled slots that need a mask (use the "
-            "default DynamicCache), and cross-attention is not causal"
-        )
     if kv_offset != 0 or kv_length != seen:
         raise _refuse(
             f"the {kv_length} keys from position {kv_offset} are not the whole sequence so far "
@@ -97,43 +130,150 @@ def causal_mask(
             f"a sliding window or attention chunk of {local_size} tokens is shorter than the "
             f"sequence ({seen} tokens)"
         )
-    if not allow_is_causal_skip:
-        # transformers composed a pattern (packed sequences, a custom or bidirectional mask), or
-        # could not rule packing out because it is tracing: is the pattern still plain causal?
-        if _capturing():
-            raise _refuse(
-                "under CUDA-graph capture transformers cannot rule out packed sequences (its "
-                "check reads position_ids), and neither can this check; capture with sdpa"
-            )
-        pattern = (batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
-        if not _is_plain_causal(kwargs.get("mask_function"), *pattern):
-            raise _refuse(
-                "this forward needs an explicit mask (packed sequences in position_ids, a "
-                "bidirectional or custom mask pattern); only plain causal attention is supported"
-            )
-    if attention_mask is not None:  # transformers' 2-D padding mask, as booleans
-        if _capturing():
-            raise _refuse(
-                "under CUDA-graph capture pass attention_mask=None: whether it pads cannot be "
-                "checked there"
-            )
-        if not bool(attention_mask.all()):  # under torch.compile: a graph break
-            raise _refuse(
-                "attention_mask has padded positions (zeros); padding is not supported, so batch "
-                "sequences of equal length or pass attention_mask=None"
-            )
+    pattern = (batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
+    why = (
+        None if allow_is_causal_skip else _pattern_refusal(kwargs.get("mask_function"), pattern)
+    ) or _padding_refusal(attention_mask)
+    if why:
+        raise _refuse(why)
     return None
 
 
-def _is_plain_causal(
-    mask_function: Callable[..., torch.Tensor] | None,
+def serving_mask(
     batch_size: int,
     q_length: int,
     kv_length: int,
-    q_offset: int,
-    kv_offset: int,
-    device: torch.types.Device,
-) -> bool:
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    allow_is_causal_skip: bool = True,
+    local_size: int | None = None,
+    **kwargs,
+):
+    """transformers' mask function for ``"llmsys_serve"``: :func:`static_cache_mask` where a
+    forward over a static KV cache is plain causal attention over its first slots, else SDPA's
+    own mask (padding, chunked prefill, a sliding window: served by SDPA as before)."""
+    if _over_a_static_cache(q_length, kv_length, q_offset, kv_offset):
+        why = _static_cache_refusal(
+            batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask,
+            allow_is_causal_skip, local_size, kwargs,
+        )  # fmt: skip
+        if not why:
+            return static_cache_mask(batch_size, q_length, kwargs.get("device"))
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](
+        batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip, local_size=local_size, **kwargs,
+    )  # fmt: skip
+
+
+def static_cache_mask(batch_size: int, q_length: int, device=None) -> torch.Tensor:
+    """The mask functions' verdict "plain causal attention over a static KV cache's first
+    slots": an empty ``(batch_size, 1, q_length, 0)`` tensor (a mask over no keys)."""
+    return torch.empty((batch_size, 1, q_length, 0), dtype=torch.bool, device=device)
+
+
+def is_static_cache_mask(attention_mask) -> bool:
+    """Whether ``attention_mask`` is :func:`static_cache_mask`'s verdict."""
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 4
+        and attention_mask.shape[-1] == 0
+    )
+
+
+def _over_a_static_cache(q_length, kv_length, q_offset, kv_offset) -> bool:
+    """Whether transformers sized this forward's mask for a static KV cache: one that counts its
+    tokens on the device (a tensor offset), or offers more slots than the tokens so far."""
+    return isinstance(q_offset, torch.Tensor) or (
+        kv_offset == 0 and kv_length > q_offset + q_length
+    )
+
+
+def _static_cache_refusal(
+    batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, allow_is_causal_skip,
+    local_size, kwargs,
+) -> str | None:  # fmt: skip
+    """Why a forward over a static KV cache is not plain causal attention over the cache's first
+    slots, the case :func:`static_cache_attention` computes from the cache's lengths; None if
+    it is. Reads nothing from the device on a decode step (at most 16 new tokens, no
+    ``attention_mask``)."""
+    if kv_offset != 0:
+        return (
+            f"the {kv_length} keys of the static KV cache start at position {kv_offset}: a "
+            "sliding-window layer has dropped tokens"
+        )
+    if local_size is not None and kv_length > local_size:
+        return (
+            f"a sliding window or attention chunk of {local_size} tokens is shorter than the "
+            f"static KV cache ({kv_length} slots)"
+        )
+    if q_length > MAX_Q_LEN:  # served by flash_attention on the new tokens alone
+        cached = q_offset
+        if isinstance(q_offset, torch.Tensor):
+            if _capturing():
+                return (
+                    f"under CUDA-graph capture, {q_length} new tokens over a static KV cache: "
+                    f"whether it is empty cannot be checked there (at most {MAX_Q_LEN} new tokens)"
+                )
+            cached = int(q_offset)  # one host sync per forward, for a prompt
+        if cached:
+            return (
+                f"{q_length} new tokens over {cached} cached ones in a static KV cache: at most "
+                f"{MAX_Q_LEN} new tokens over a non-empty cache"
+            )
+    mask_function = kwargs.get("mask_function")
+    # With a cache transformers packs no sequences, and turns allow_is_causal_skip off for a
+    # static cache's one-token steps: the pattern is its causal one, or its sliding-window one
+    # (causal here: the window covers the cache), unless an overlay was added (use_vmap).
+    from transformers.masking_utils import causal_mask_function
+
+    causal = mask_function is causal_mask_function or (
+        local_size is not None and not kwargs.get("use_vmap", False)
+    )
+    pattern = (batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
+    if not (allow_is_causal_skip or causal):
+        why = _pattern_refusal(mask_function, pattern)
+        if why:
+            return why
+    return _padding_refusal(attention_mask)
+
+
+def _pattern_refusal(mask_function, pattern) -> str | None:
+    """Why transformers' composed mask pattern (packed sequences, a custom or bidirectional
+    mask; or packing not ruled out while tracing) is not plain causal; None if it is."""
+    if _capturing():
+        return (
+            "under CUDA-graph capture transformers cannot rule out packed sequences (its check "
+            "reads position_ids), and neither can this check; capture with sdpa"
+        )
+    if not _is_plain_causal(mask_function, *pattern):
+        return (
+            "this forward needs an explicit mask (packed sequences in position_ids, a "
+            "bidirectional or custom mask pattern); only plain causal attention is supported"
+        )
+    return None
+
+
+def _padding_refusal(attention_mask) -> str | None:
+    """Why transformers' 2-D padding mask (as booleans) masks something; None if it does not."""
+    if attention_mask is None:
+        return None
+    if _capturing():
+        return (
+            "under CUDA-graph capture pass attention_mask=None: whether it pads cannot be checked "
+            "there"
+        )
+    if not bool(attention_mask.all()):  # under torch.compile: a graph break
+        return (
+            "attention_mask has padded positions (zeros); padding is not supported, so batch "
+            "sequences of equal length or pass attention_mask=None"
+        )
+    return None
+
+
+def _is_plain_causal(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, device):
     """Whether transformers' index-based ``mask_function(batch, head, q, kv) -> bool`` allows
     exactly ``kv <= q`` at every position of this call. Reads a device tensor: under
     torch.compile this is a graph break (one per forward, not per layer)."""
@@ -164,7 +304,7 @@ def flash_attention_interface(
     is_causal: bool | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    **kwargs: Any,
+    **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over :func:`flash_attention`.
 
@@ -174,7 +314,9 @@ def flash_attention_interface(
         query: ``(B, H, N_q, d)``.
         key, value: ``(B, H_kv, N_k, d)``, ``H_kv`` dividing ``H``; read in place.
         attention_mask: must be None (the registered mask function returns None wherever plain
-            causal attention is exact and raises elsewhere).
+            causal attention is exact and raises elsewhere); its static-cache verdict
+            (:func:`static_cache_mask`) is refused: llmsys' attention forwards serve that case
+            before calling this function, transformers' forwards cannot.
         dropout: must be 0 (the kernel has no dropout).
         scaling: the score scale (default ``1 / sqrt(d)``).
         sliding_window: at least ``N_k`` if given (else the window would mask keys).
@@ -185,6 +327,8 @@ def flash_attention_interface(
     Returns:
         ``(output, None)``: output ``(B, N_q, H, d)`` contiguous; no attention weights.
     """
+    if is_static_cache_mask(attention_mask):
+        raise _static_cache_unserved(module)
     if attention_mask is not None:
         raise _refuse(
             f"got an explicit attention mask of shape {tuple(attention_mask.shape)}; only plain "
@@ -216,3 +360,81 @@ def flash_attention_interface(
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     out = flash_attention(query, key, value, causal=causal, scale=scaling)  # (B, H, N_q, d)
     return out.transpose(1, 2).contiguous(), None
+
+
+def serving_attention_interface(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+):
+    """transformers' attention-function signature for ``"llmsys_serve"``: SDPA (transformers'
+    own function, with the mask :func:`serving_mask` built); the static-cache verdict, which
+    llmsys' attention forwards serve before calling this, is refused."""
+    if is_static_cache_mask(attention_mask):
+        raise _static_cache_unserved(module)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
+def _static_cache_unserved(module: torch.nn.Module) -> ValueError:
+    return _refuse(
+        f"a static KV cache (StaticCache, cache_implementation='static') has unfilled slots, and "
+        f"this {type(module).__name__} runs transformers' attention forward, which cannot tell "
+        "this function the cache's lengths (the forwards of apply_llmsys' rotary part and of "
+        "quantize_model can)"
+    )
+
+
+def static_cache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    new_key: torch.Tensor,
+    new_value: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    cache,
+) -> torch.Tensor:
+    """Attention over a static KV cache, given the mask function's verdict that this forward is
+    plain causal attention over the cache's first slots (:func:`static_cache_mask`).
+
+    Args:
+        module: the attention layer (``layer_idx``, ``scaling``, ``attention_dropout``).
+        query: ``(B, H, N, d)``, rotated.
+        new_key, new_value: ``(B, H_kv, N, d)``, the N new tokens' keys (rotated) and values.
+        keys, values: what ``cache.update(new_key, new_value, ...)`` returned: the cache layer's
+            own ``(B, H_kv, capacity, d)`` buffers, the new tokens written after the cached ones.
+        cache: the ``StaticCache``; its layer counts its tokens on the device.
+
+    At most 16 new tokens (a decode step, a speculative or chunked one, a short prompt):
+    ``decode_attention`` reads ``keys`` and ``values`` in place with the layer's length, new
+    tokens included, as each sequence's (no host sync). More: a prompt into an empty cache (the
+    mask function checked), so ``flash_attention`` (causal) on the new keys and values alone.
+
+    Returns:
+        ``(B, N, H, d)``, contiguous, as transformers' attention functions return it.
+    """
+    layers = getattr(cache, "layers", ())
+    layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
+    if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor) or (
+        getattr(layer, "keys", None) is not keys
+    ):
+        raise _refuse(
+            "the mask sizes say a static KV cache, but the cache's layer "
+            f"{module.layer_idx} ({type(layer).__name__}) did not hand back its own buffers "
+            "with a length on the device"
+        )
+    if module.training and module.attention_dropout:
+        raise _refuse(
+            f"attention dropout {module.attention_dropout} is not supported (set "
+            "attention_dropout=0)"
+        )
+    if query.shape[2] <= MAX_Q_LEN:
+        lengths = layer.cumulative_length.expand(query.shape[0])  # one for every sequence
+        out = decode_attention(query, keys, values, lengths, sm_scale=module.scaling)
+    else:
+        out = flash_attention(query, new_key, new_value, causal=True, scale=module.scaling)
+    return out.transpose(1, 2).contiguous()

@@ -12,8 +12,9 @@ to transformers' own forward of the module's class:
     attention       ``rotary_attention_forward``: the q, k and v projections, then
                     ``rotary_attention``: ``rotary`` on q and k in one launch, the KV cache and
                     the attention implementation the config names (``llmsys_fa2`` after
-                    ``apply_llmsys``); the W8A8 attention calls ``rotary_attention`` with the
-                    three column ranges of its fused q|k|v projection
+                    ``apply_llmsys``), a static KV cache read by flash-attn2's decode kernel;
+                    the W8A8 attention calls ``rotary_attention`` with the three column ranges
+                    of its fused q|k|v projection
     causal LM       with ``labels=``, the loss from the last hidden states through
                     ``causal_lm_loss`` (the logits never exist); without labels, or with
                     ``logits_to_keep``: transformers' forward
@@ -30,6 +31,7 @@ from torch import nn
 
 from llmsys.kernels_fused import causal_lm_loss, rms_norm, rotary
 
+from .attention import is_static_cache_mask, static_cache_attention
 from .rewrite import original_class
 
 
@@ -103,7 +105,11 @@ def rotary_attention(
     full-width, by the family's own ``apply_rotary_pos_emb`` otherwise. A KV cache is updated as
     transformers does it: ``cache.update(..., kwargs=kwargs)`` where the layer passes ``cache=``
     (transformers 5.2x), ``past_key_values.update(...)`` where it passes ``past_key_values=``
-    (5.17). Returns ``(output, attention weights or None)`` as transformers' attention does."""
+    (5.17). Where the mask function found plain causal attention over a static KV cache
+    (``attention.static_cache_mask``: ``llmsys_fa2`` and ``llmsys_serve`` give it), the
+    attention reads that cache through flash-attn2 (``attention.static_cache_attention``); else
+    it is the configured implementation's. Returns ``(output, attention weights or None)`` as
+    transformers' attention does."""
     cache = kwargs.pop("cache", None)
     legacy_cache = kwargs.pop("past_key_values", None)
     input_shape = query.shape[:-1]
@@ -117,23 +123,29 @@ def rotary_attention(
     else:
         family = sys.modules[type(attn).__module__]
         query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
+    new_key, new_value = key, value
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
     elif legacy_cache is not None:
         key, value = legacy_cache.update(key, value, attn.layer_idx)
-    # Qwen2 keeps its window per layer, Mistral in the config, Llama has none.
-    window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
-    output, weights = _interface(attn)(
-        attn,
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout=attn.attention_dropout if attn.training else 0.0,
-        scaling=attn.scaling,
-        sliding_window=window,
-        **kwargs,
-    )
+    if is_static_cache_mask(attention_mask):  # the mask function's verdict: plain causal
+        the_cache = cache if cache is not None else legacy_cache
+        output = static_cache_attention(attn, query, new_key, new_value, key, value, the_cache)
+        weights = None
+    else:
+        # Qwen2 keeps its window per layer, Mistral in the config, Llama has none.
+        window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+        output, weights = _interface(attn)(
+            attn,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=attn.attention_dropout if attn.training else 0.0,
+            scaling=attn.scaling,
+            sliding_window=window,
+            **kwargs,
+        )
     output = output.reshape(*input_shape, -1).contiguous()
     return attn.o_proj(output), weights
 
@@ -200,9 +212,10 @@ def causal_lm_forward(
     }
     return_dict = kwargs.pop("return_dict", None)
     outputs = self.model(input_ids, return_dict=True, **kwargs)
-    loss = causal_lm_loss(
-        outputs.last_hidden_state, head.weight, labels, lm_head_bias=head.bias, **loss_kwargs
-    )
+    # lm_head's weight read outside lm_head: its input in the weight's dtype, as lm_head would
+    # take it (FSDP's compute_dtype casts the weight; a float32 norm gain leaves float32 states)
+    hidden = outputs.last_hidden_state.to(head.weight.dtype)
+    loss = causal_lm_loss(hidden, head.weight, labels, lm_head_bias=head.bias, **loss_kwargs)
     output = _output_with_cache(
         outputs,
         loss=loss,

@@ -7,7 +7,8 @@ decode step, the same call every time: it reads the token before from a fixed bu
 its own there and advances the positions in place. That is what lets one CUDA graph of the step
 replay it, with no Python between tokens. The model may be as transformers builds it, or
 rewritten by ``apply_llmsys`` or by ``quantize_model``: one harness serves fp16
-and int8.
+and int8, and the rewritten attention reads the static cache through flash-attn2
+(``attention.static_cache_attention``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ def generate(
     (batch, prompt + max_new_tokens).
 
     Args:
-        model: a transformers causal LM (``model(ids, ...).logits``) on ``input_ids``' device,
-            with an attention that takes a mask (the static cache's unfilled slots need one):
-            after ``apply_llmsys``, ``model.set_attn_implementation("sdpa")`` first, or its
-            FlashAttention refuses the cache with a ``ValueError``.
+        model: a transformers causal LM (``model(ids, ...).logits``) on ``input_ids``' device.
+            After ``apply_llmsys`` or ``quantize_model`` its attention reads the static cache
+            through flash-attn2 (each decode step's ``decode_attention`` in place, grouped-query
+            heads natively), whatever transformers version is installed; a stock model's runs
+            as its attention implementation does (SDPA: with a mask over the cache's slots).
         input_ids: (batch, prompt) integer token ids, every row the same length (no padding).
         max_new_tokens: how many tokens to add, at least 1. Every row gets that many: there is
             no stop at an end-of-sequence token (cut the rows afterwards).

@@ -8,7 +8,8 @@ decoder layer runs instead (each bracket is one kernel):
     [RMSNorm -> int8 rows + per-token scales]          rms_norm_quantize_int8
     [q | k | v: one GEMM over concatenated weights]    self_attn.qkv_proj, split into three views
     attention on those views: q and k rotated in one launch, then transformers' KV cache, masks
-               and attention implementation            forwards.rotary_attention
+               and attention implementation (a static
+               cache: flash-attn2's decode kernel)     forwards.rotary_attention
     [o_proj: quantize + GEMM]                          an Int8Linear as quantize_linears makes
     [residual add + RMSNorm -> int8 rows + scales]     rms_norm_quantize_int8(residual=)
     [gate | up: one GEMM]                              mlp.gate_up_proj
@@ -42,6 +43,7 @@ from llmsys.kernels_int8 import (
 )
 from llmsys.kernels_int8.ops import FLOAT_DTYPES, inference_only_error
 
+from .attention import register_serving_attention
 from .families import PARTS, family_classes, is_silu
 from .forwards import rotary_attention
 from .mlp import SwiGLUGatedMLP
@@ -261,7 +263,12 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     for ``down_proj``. ``o_proj`` and ``down_proj`` become :class:`Int8Linear`. The scheme is
     ``quantize_linears``' (weights per output channel, activations per token), computed with
     fewer passes. The attention reads q, k and v as views of the fused GEMM's output, rotates q
-    and k in one launch and keeps transformers' KV cache, masks and attention implementation.
+    and k in one launch and keeps transformers' KV cache and masks. A model on SDPA (the
+    default) whose decoder layers were all rewritten moves to ``attn_implementation=
+    "llmsys_serve"``: SDPA, except that plain causal attention over a static KV cache (what
+    ``generate`` serves) runs through flash-attn2: each decode step's ``decode_attention`` reads
+    the cache in place, grouped-query heads natively, whatever transformers version is
+    installed (``attention.static_cache_attention``). Other implementations stay as set.
 
     Every other plain ``nn.Linear`` is swapped for an ``Int8Linear`` as ``quantize_linears``
     swaps it: the causal LM's ``lm_head`` (as ``quantize_linears``' default does), and the
@@ -344,6 +351,13 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     installs = [_plan_layer(layer) for _, layer, _ in layers]
     for install in installs:
         install()
+    config = layers[0][1].self_attn.config
+    # A layer it did not rewrite keeps transformers' attention, which cannot read a static cache.
+    if not rejected and config._attn_implementation == "sdpa":
+        if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
+            model.set_attn_implementation(register_serving_attention())
+        else:
+            config._attn_implementation = register_serving_attention()
     if rest:
         names = {name for name, _ in rest}
         quantize_linears(model, include=lambda name, module: name in names)

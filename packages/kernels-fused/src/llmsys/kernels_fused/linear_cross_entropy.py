@@ -651,17 +651,6 @@ def _check_num_items(op: str, num_items: object) -> None:
         )
 
 
-def _renamed(message: str, labels_name: str) -> str:
-    """A ``linear_cross_entropy`` error message with ``causal_lm_loss``'s argument names."""
-    names = {"hidden": "hidden_states", "weight": "lm_head_weight", "bias": "lm_head_bias"}
-    names["target"] = labels_name
-    message = message.replace("linear_cross_entropy_fwd:", "causal_lm_loss:", 1)
-    message = message.replace("linear_cross_entropy:", "causal_lm_loss:", 1)
-    for old, new in names.items():
-        message = message.replace(f"`{old}`", f"`{new}`")
-    return message
-
-
 def causal_lm_loss(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -742,7 +731,10 @@ def causal_lm_loss(
             chunk_size=chunk_size,
         )
     except (TypeError, ValueError) as error:  # its errors, under this function's names
-        raise type(error)(_renamed(str(error), name)) from error
+        raise checks.as_called(
+            error, op, hidden="hidden_states", weight="lm_head_weight", bias="lm_head_bias",
+            target=name,
+        ) from None  # fmt: skip
     if num_items_in_batch is None:
         return loss
     if isinstance(num_items_in_batch, torch.Tensor):

@@ -377,8 +377,11 @@ class TransformerLM(nn.Module):
             hidden = self.final_norm(x)  # (B, T, d_model)
         if targets is None:
             return self.lm_head(hidden)  # (B, T, vocab)
-        if self.loss_kernel is not None:
-            return self.loss_kernel(hidden, self.lm_head.weight, targets)  # no logits
+        if self.loss_kernel is not None:  # no logits: lm_head's weight read outside lm_head,
+            # so its input in the weight's dtype, as lm_head would take it (FSDP's compute_dtype
+            # casts the weight and an fp32 norm gain leaves the hidden states in float32)
+            weight = self.lm_head.weight
+            return self.loss_kernel(hidden.to(weight.dtype), weight, targets)
         return lm_loss(self.lm_head(hidden), targets)
 
     def _fused_residual_blocks(self, x: torch.Tensor, recompute: bool) -> torch.Tensor:
