@@ -354,8 +354,9 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     config = layers[0][1].self_attn.config
     # A layer it did not rewrite keeps transformers' attention, which cannot read a static cache.
     if not rejected and config._attn_implementation == "sdpa":
-        if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
-            model.set_attn_implementation(register_serving_attention())
+        set_attn_implementation = getattr(model, "set_attn_implementation", None)
+        if set_attn_implementation is not None:  # a transformers PreTrainedModel
+            set_attn_implementation(register_serving_attention())
         else:
             config._attn_implementation = register_serving_attention()
     if rest:
