@@ -203,8 +203,8 @@ def test_transformers_own_attention_refuses_the_static_cache_by_name(device):
     apply_llmsys(no_rotary, mlp=False, rms_norm=False, rotary=False, loss=False)
     stock = build("llama", num_hidden_layers=1).to(device).eval()
     stock.set_attn_implementation(hf_attention.register_serving_attention())
-    for model in (no_rotary, stock):
-        with pytest.raises(ValueError, match="runs transformers' attention forward, which cannot"):
+    for model, name in ((no_rotary, "llmsys_fa2"), (stock, "llmsys_serve")):
+        with pytest.raises(ValueError, match=f"'{name}': a static KV cache .* runs transformers'"):
             generate(model, ids, 2)
 
     mixed = build("llama", num_hidden_layers=2)

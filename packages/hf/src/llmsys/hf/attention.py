@@ -16,9 +16,10 @@ What runs: causal attention, top-left aligned, grouped-query heads read in place
 exact for a whole sequence at once (training, prefill into an empty cache) and for one new token
 over a ``DynamicCache`` (decoding). Everything else needs a mask the kernel cannot apply, so it
 raises a ``ValueError`` saying which case it is and what to do: a padded ``attention_mask``, packed
-sequences, a static KV cache, several new tokens over a non-empty cache, a sliding window or
-attention chunk shorter than the sequence, attention dropout, logit soft-capping, attention sinks,
-or a ready-made 4-D mask. transformers is imported only when a ``register_*`` function runs.
+sequences, a static KV cache read by transformers' own attention forward (see below), several new
+tokens over a non-empty ``DynamicCache``, a sliding window or attention chunk shorter than the
+sequence, attention dropout, logit soft-capping, attention sinks, or a ready-made 4-D mask.
+transformers is imported only when a ``register_*`` function runs.
 
 A static KV cache (``StaticCache``, which ``llmsys.hf.generate`` fills) offers all its slots,
 filled or not, so attention over it needs each sequence's length. Where a forward over one is
@@ -86,8 +87,8 @@ def _register(name: str, attention: Callable[..., Any], mask: Callable[..., Any]
     return name
 
 
-def _refuse(what: str) -> ValueError:
-    return ValueError(f"attn_implementation='{ATTN_IMPLEMENTATION}': {what}; {_FALLBACK}")
+def _refuse(what: str, implementation: str = ATTN_IMPLEMENTATION) -> ValueError:
+    return ValueError(f"attn_implementation='{implementation}': {what}; {_FALLBACK}")
 
 
 def _capturing() -> bool:
@@ -409,7 +410,8 @@ def _static_cache_unserved(module: torch.nn.Module) -> ValueError:
         f"a static KV cache (StaticCache, cache_implementation='static') has unfilled slots, and "
         f"this {type(module).__name__} runs transformers' attention forward, which cannot tell "
         "this function the cache's lengths (the forwards of apply_llmsys' rotary part and of "
-        "quantize_model can)"
+        "quantize_model can)",
+        module.config._attn_implementation,
     )
 
 
@@ -449,12 +451,14 @@ def static_cache_attention(
         raise _refuse(
             "the mask sizes say a static KV cache, but the cache's layer "
             f"{module.layer_idx} ({type(layer).__name__}) did not hand back its own buffers "
-            "with a length on the device"
+            "with a length on the device",
+            module.config._attn_implementation,
         )
     if module.training and module.attention_dropout:
         raise _refuse(
             f"attention dropout {module.attention_dropout} is not supported (set "
-            "attention_dropout=0)"
+            "attention_dropout=0)",
+            module.config._attn_implementation,
         )
     if query.shape[2] <= MAX_Q_LEN:
         lengths = layer.cumulative_length.expand(query.shape[0])  # one for every sequence
