@@ -405,7 +405,7 @@ def serving_attention_interface(
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
-def _static_cache_unserved(module: torch.nn.Module) -> ValueError:
+def _static_cache_unserved(module: Any) -> ValueError:
     return _refuse(
         f"a static KV cache (StaticCache, cache_implementation='static') has unfilled slots, and "
         f"this {type(module).__name__} runs transformers' attention forward, which cannot tell "
