@@ -15,6 +15,7 @@ dependencies are read from each pyproject.toml. Tests run in one shared environm
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -98,10 +99,20 @@ def _skip_without_gpu(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole workspace."""
+    """ruff check and ruff format --check over the whole workspace, then mypy over every
+    package's src (the settings are in pyproject.toml's [tool.mypy])."""
     session.install(*envs.dev_requirements("lint"))
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    packages = workspace.select()
+    # mypy reads torch, numpy and the rest from the test environment, the packages from source.
+    session.run(
+        "mypy",
+        "--python-executable",
+        str(envs.dev_env()),
+        *(arg for p in packages for arg in ("-p", p.import_name)),
+        env={"MYPYPATH": os.pathsep.join(str(p.path / "src") for p in packages)},
+    )
 
 
 @nox.session(venv_backend="none")

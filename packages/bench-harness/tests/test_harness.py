@@ -236,3 +236,16 @@ def test_the_shared_argparse_types_name_the_option_in_their_error(kind, good, ba
         with pytest.raises(SystemExit):
             parser.parse_args(["--value", text])
         assert "argument --value: " in capsys.readouterr().err
+
+
+def test_plot_vs_baseline_leaves_a_gap_where_a_row_has_no_baseline(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [
+        harness.row("k", "ours", "fwd", "8", "float32", (1.0, 2.0, 3.0), baseline=4.0),
+        harness.row("k", "ours", "fwd", "16", "float32", (1.0, 2.0, 3.0)),  # baseline failed
+    ]
+    assert rows[1].speedup_vs_baseline is None
+    path = harness.plot_vs_baseline(
+        rows, tmp_path / "plot.png", title="t", panel=lambda r: (r.kernel, r.mode)
+    )
+    assert path.stat().st_size > 0

@@ -136,7 +136,7 @@ def test_copies_are_recorded_only_where_replay_copies_the_same_argument():
     x = torch.randn(6, 4).t()  # strided: .contiguous() copies
     with _Recording((x, 2.0)) as recording:
         x.contiguous()
-    assert recording.refused is None and [step.index for step in recording.launches] == [0]
+    assert recording.refused is None and [step.position for step in recording.launches] == [0]
     with _Recording((x, x)) as recording:  # passed twice: which one a replay copies is unknown
         x.contiguous()
     assert recording.refused is not None

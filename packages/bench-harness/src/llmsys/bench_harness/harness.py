@@ -7,12 +7,15 @@ bandwidth for memory-bound ops, the bf16 matmul rate for compute-bound ones).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import cache
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +32,9 @@ from .results import (
     timestamp,
     write_csv,
 )
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = [
     "CSV_FIELDS",
@@ -96,7 +102,7 @@ def time_ms(
         )
         return p20, p50, p80
     fn()
-    samples = []
+    samples: list[float] = []
     deadline = time.perf_counter() + rep_ms / 1000
     while len(samples) < 3 or (time.perf_counter() < deadline and len(samples) < 100):
         _clear_grads(grad_to_none)
@@ -130,12 +136,12 @@ def call_times_ms(
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(reps)
     ]
-    for start, end in events:
-        start.record()
+    for begin, finish in events:
+        begin.record()
         fn()
-        end.record()
+        finish.record()
     torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events]
+    return [begin.elapsed_time(finish) for begin, finish in events]
 
 
 def cuda_graph(fn: Callable[[], object], *, calls: int = 1, warmup: int = 3) -> Callable[[], None]:
@@ -166,7 +172,7 @@ def cuda_graph(fn: Callable[[], object], *, calls: int = 1, warmup: int = 3) -> 
     return graph.replay
 
 
-def _check_calls(fn, **counts: tuple[int, int]) -> None:
+def _check_calls(fn: object, **counts: tuple[int, int]) -> None:
     """TypeError unless ``fn`` is callable; ValueError unless each count is an int >= its least."""
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -180,7 +186,14 @@ def _clear_grads(tensors: Iterable[torch.Tensor] | None) -> None:
         t.grad = None
 
 
-def _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes, flush_by):
+def _flushed_event_times(
+    fn: Callable[[], object],
+    device: str | torch.device,
+    grad_to_none: Iterable[torch.Tensor] | None,
+    rep_ms: int,
+    flush_bytes: int,
+    flush_by: str,
+) -> tuple[float, float, float]:
     """CUDA events around each call, with ``flush_bytes`` written or read before it."""
     flush = torch.zeros(flush_bytes // 4, dtype=torch.int32, device=device)
     total = torch.empty((), dtype=torch.int32, device=device)
@@ -305,10 +318,8 @@ def matmul_rate(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> fl
     return 2 * n**3 / (p50 * 1e-3)
 
 
-def sweep_arguments(description: str, results: Path, quick_help: str):
+def sweep_arguments(description: str, results: Path, quick_help: str) -> argparse.ArgumentParser:
     """The command line every package's sweep shares: --device, --quick, --out, --replot."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--device",
@@ -325,13 +336,13 @@ def sweep_arguments(description: str, results: Path, quick_help: str):
 class _PlainProgress:
     """tqdm's interface, as a line per step on stdout, for machines without tqdm."""
 
-    def __init__(self, desc: str = "", total: int | None = None, **_):
+    def __init__(self, desc: str = "", total: int | None = None, **_: object) -> None:
         self.desc, self.total, self.n = desc, total, 0
 
-    def __enter__(self):
+    def __enter__(self) -> _PlainProgress:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
     def update(self, n: int = 1) -> None:
@@ -342,7 +353,7 @@ class _PlainProgress:
         print(f"{self.desc}: {self.n}/{self.total or '?'} {text}", flush=True)
 
 
-def progress_bar(**bar):
+def progress_bar(**bar: Any) -> Any:
     """A tqdm bar (``desc``, ``total``, ...) counting cases, or plain lines without tqdm."""
     try:
         from tqdm import tqdm
@@ -351,7 +362,9 @@ def progress_bar(**bar):
     return tqdm(unit="case", **bar)
 
 
-def plot_or_say_why_not(plot: Callable[[list[Row], Path], Path], rows: list[Row], path: Path):
+def plot_or_say_why_not(
+    plot: Callable[[list[Row], Path], Path], rows: list[Row], path: Path
+) -> Path | None:
     """``plot(rows, path)``, or None (saying so) where matplotlib is not installed."""
     try:
         return plot(rows, path)
@@ -363,7 +376,10 @@ def plot_or_say_why_not(plot: Callable[[list[Row], Path], Path], rows: list[Row]
 
 
 def sweep_main(
-    args, plot: Callable[[list[Row], Path], Path], run: Callable[[Callable], list[Row]], **bar
+    args: argparse.Namespace,
+    plot: Callable[[list[Row], Path], Path],
+    run: Callable[[Callable[..., object]], list[Row]],
+    **bar: Any,
 ) -> list[Row]:
     """The body of every sweep's ``main()`` after parsing ``sweep_arguments``: ``--replot`` only
     redraws; otherwise ``run(progress)`` under a progress bar (``bar``: tqdm's ``desc``,
@@ -406,7 +422,7 @@ def sweep_command(
     )
 
 
-def load_beside(script: str | Path, name: str):
+def load_beside(script: str | Path, name: str) -> ModuleType:
     """The module ``name``.py from the folder of ``script`` (a benchmark's sibling script),
     imported by path and registered in ``sys.modules``: no ``sys.path`` edit, so a sweep loaded
     by the main job finds its siblings as when it runs as a script."""
@@ -417,6 +433,7 @@ def load_beside(script: str | Path, name: str):
     spec = importlib.util.spec_from_file_location(
         name, Path(script).resolve().parent / f"{name}.py"
     )
+    assert spec is not None and spec.loader is not None  # a .py path always has both
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -429,7 +446,7 @@ def replot(csv_path: Path, plot: Callable[[list[Row], Path], Path]) -> Path:
     return plot(rows, Path(csv_path).with_suffix(".png"))
 
 
-def save_figure(fig, path: Path, title: str, dpi: int = 110) -> Path:
+def save_figure(fig: Figure, path: Path, title: str, dpi: int = 110) -> Path:
     """Title, lay out, write and close a matplotlib figure; returns ``path``."""
     import matplotlib.pyplot as plt
 
@@ -472,7 +489,8 @@ def plot_vs_baseline(
         xs = list(dict.fromkeys(r.x for r in subset))
         for provider in dict.fromkeys(r.provider for r in subset):
             by_x = {r.x: r for r in subset if r.provider == provider}
-            ratio = [1 / by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
+            speedups = [by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
+            ratio = [1 / s if s else None for s in speedups]  # a gap where there is no baseline
             values = [getattr(by_x[x], field) if x in by_x else None for x in xs]
             axes[0][col].plot(xs, ratio, marker="o", label=provider)
             axes[1][col].plot(xs, values, marker="o", label=provider)

@@ -17,6 +17,7 @@ import re
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ class Row:
     @classmethod
     def from_dict(cls, values: dict) -> Row:
         """A row back from a CSV record: numbers parsed, empty or missing cells as None."""
-        parsed = {}
+        parsed: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             raw = values.get(field.name) or ""
             if field.type in ("float", "float | None"):

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ class DataParallelBase(nn.Module):
         if wrapper is not None and wrapper() is self:
             del _WRAPPED[self.module]
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
@@ -190,7 +191,7 @@ class DataParallelBase(nn.Module):
         """Each trainable parameter's gradient, or zeros where it got none since the last
         synchronization: every rank then reduces the same tensors, used here or not."""
         return [
-            p.grad if used else torch.zeros_like(p)
+            cast(torch.Tensor, p.grad) if used else torch.zeros_like(p)  # used: it has a grad
             for p, used in zip(self.params, self._used, strict=True)
         ]
 
@@ -265,7 +266,7 @@ class DataParallelBase(nn.Module):
             )
 
 
-def _hook_to(wrapper: DataParallelBase, index: int):
+def _hook_to(wrapper: DataParallelBase, index: int) -> Callable[[torch.Tensor], None]:
     """A gradient hook that calls ``wrapper._on_gradient(index, param)`` while the wrapper lives.
 
     It holds the wrapper weakly: a tensor's hooks live where the garbage collector cannot follow

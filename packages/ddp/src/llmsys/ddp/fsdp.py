@@ -43,8 +43,9 @@ dropped and reduce-scattered. The slices and the collectives themselves are ``sh
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from numbers import Integral
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,10 +56,14 @@ from .base import DataParallelBase
 from .shards import Gather, ReduceScatter, Shard, is_sharded
 from .wrappers import all_reduce_flat
 
+# (owner module, attribute name, parameter), and a unit: (its module, its attributes)
+_Attribute = tuple[nn.Module, str, nn.Parameter]
+_Unit = tuple[nn.Module, list[_Attribute]]
+
 IN_FLIGHT_REDUCE_SCATTERS = 2  # beyond this, the oldest is waited for (its full gradients freed)
 
 
-def _check_flags(owner: str, **flags) -> None:
+def _check_flags(owner: str, **flags: object) -> None:
     """Each of ``flags`` a bool, else a ``TypeError`` naming it."""
     for name, value in flags.items():
         if not isinstance(value, bool):
@@ -105,13 +110,15 @@ class _GatheredWeights(torch.autograd.Function):
     hands them to the reduce-scatter."""
 
     @staticmethod
-    def forward(ctx, fsdp, uses, *shards):
+    def forward(
+        ctx: Any, fsdp: FSDP, uses: list[_Use], *shards: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
         ctx.fsdp, ctx.uses = fsdp, uses
         ctx.set_materialize_grads(False)  # a weight the forward did not use gets None
         return tuple(use.full for use in uses)
 
     @staticmethod
-    def backward(ctx, *grads_full):
+    def backward(ctx: Any, *grads_full: torch.Tensor | None) -> tuple[None, ...]:
         for use, grad_full in zip(ctx.uses, grads_full, strict=True):
             if grad_full is not None:
                 ctx.fsdp._gradient_arrived(use, grad_full)
@@ -184,7 +191,7 @@ class FSDP(DataParallelBase):
                 f"compute_dtype must be None or a floating torch.dtype, got {compute_dtype!r}"
             )
         super().__init__(module, process_group=process_group)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype: torch.dtype | None = compute_dtype
         # (decided before sharding, which leaves every parameter 1-D)
         cast_layers = [m for m in module.modules() if runs_in_compute_dtype(m)]
         self._shards: dict[nn.Parameter, Shard] = {}
@@ -196,9 +203,13 @@ class FSDP(DataParallelBase):
         self._claim_module(for_good=True)  # sharded in place: never wrap it again
         # A unit: a block (an item of the innermost nn.ModuleList) or a module outside every
         # list, with the (owner, attribute, parameter) triples it gathers or casts.
-        self._units = _units(module, self._shards, cast_layers if compute_dtype else [])
-        self._group_of = _blocks(module, [site for site, _ in self._units], blocks_per_gather)
-        self._sharded_of = [
+        self._units: list[_Unit] = _units(
+            module, self._shards, cast_layers if compute_dtype else []
+        )
+        self._group_of: list[int] = _blocks(
+            module, [site for site, _ in self._units], blocks_per_gather
+        )
+        self._sharded_of: list[list[_Attribute]] = [
             [(o, n, p) for o, n, p in attributes if p in self._shards]
             for _, attributes in self._units
         ]
@@ -221,7 +232,7 @@ class FSDP(DataParallelBase):
                 lambda m, args, out, u=unit: self._leave(u), always_call=True
             )
         self._order: list[int] = []  # units with sharded weights, in the last forward's order
-        self._position = 0  # how many of them ran in this forward
+        self._position: int = 0  # how many of them ran in this forward
         self._prefetched: dict[int, list[_Use]] = {}
         self._finished: set[int] = set()  # units whose gradients arrived in this backward
         # unit -> (its uses, whether autograd records them) while its forward runs
@@ -235,7 +246,7 @@ class FSDP(DataParallelBase):
 
     # -- the public contract ----------------------------------------------------------------
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._position, self._last_use = 0, None
         self._finished.clear()
         # Full weights left by a block's module called on its own since the last forward may
@@ -255,7 +266,7 @@ class FSDP(DataParallelBase):
         while self._reducing:
             self._finish_oldest_reduce_scatter()
         self._drop_prefetched()
-        sums = {}
+        sums: dict[Shard, torch.Tensor] = {}
         for shard, piece in self._reduced:
             sums[shard] = piece if shard not in sums else sums[shard].add_(piece)
         self._reduced = []
@@ -276,7 +287,11 @@ class FSDP(DataParallelBase):
         """Every parameter at full size, under the unwrapped module's names (a copy)."""
         return {name: self._gather_full(param) for name, param in self.module.named_parameters()}
 
-    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):
+    # torch types state_dict as two overloads with a keyword-only destination; this one keeps
+    # the positional destination torch itself accepts.
+    def state_dict(  # type: ignore[override]
+        self, destination: dict[str, Any] | None = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
         """The unwrapped module's full state dict (parameters gathered, on the CPU).
 
         Raises:
@@ -289,7 +304,9 @@ class FSDP(DataParallelBase):
             out[prefix + name] = full.cpu()
         return out
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
         """Load a full state dict (from ``state_dict()`` on any world size, or an unwrapped
         model's) into this rank's slices and replicated parameters.
 
@@ -361,7 +378,7 @@ class FSDP(DataParallelBase):
 
     # -- gathering ---------------------------------------------------------------------------
 
-    def _reduced_parameters(self, trainable):
+    def _reduced_parameters(self, trainable: list[nn.Parameter]) -> list[nn.Parameter]:
         return [p for p in trainable if not is_sharded(p)]
 
     def _synchronize(self) -> None:
@@ -375,7 +392,7 @@ class FSDP(DataParallelBase):
         cast to it."""
         return tree_map(self._cast_input, (args, kwargs))
 
-    def _cast_input(self, value):
+    def _cast_input(self, value: object) -> object:
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.to(self.compute_dtype)
         return value
@@ -401,6 +418,7 @@ class FSDP(DataParallelBase):
             for other, full in zip(gathering.uses, fulls, strict=True):
                 if other.gather is gathering:  # (not gathered again since)
                     other.full, other.gather = full, None
+        assert use.full is not None  # (gathered, or waited for just now)
         return use.full
 
     def _gather_full(self, param: nn.Parameter) -> torch.Tensor:
@@ -433,9 +451,8 @@ class FSDP(DataParallelBase):
                 self._after(other)
         uses: list[_Use] = []
         if self._sharded_of[unit]:
-            uses = self._prefetched.pop(unit, None)
-            if uses is None:
-                uses = self._start_unit(unit)
+            prefetched = self._prefetched.pop(unit, None)
+            uses = prefetched if prefetched is not None else self._start_unit(unit)
             self._note_order(unit)
             for use in uses:
                 full = self._ready(use)
@@ -562,7 +579,7 @@ class FSDP(DataParallelBase):
 
     # -- what autograd saves ----------------------------------------------------------------
 
-    def _pack(self, tensor: torch.Tensor):
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _SavedWeight:
         if self._live:  # called for every tensor autograd saves: kept to one lookup
             try:
                 use = self._live.get(tensor.untyped_storage().data_ptr())
@@ -573,7 +590,7 @@ class FSDP(DataParallelBase):
                 return _SavedWeight(use, tensor)
         return tensor
 
-    def _unpack(self, saved):
+    def _unpack(self, saved: torch.Tensor | _SavedWeight) -> torch.Tensor:
         if not isinstance(saved, _SavedWeight):
             return saved
         use = saved.use
@@ -643,14 +660,15 @@ def _blocks(module: nn.Module, owners: list[nn.Module], items_per_block: int = 1
     innermost one: a Transformer's layer, or one expert of a list of experts inside it) share
     one, and so do the items ``i`` whose ``i // items_per_block`` is equal; any other owner is its
     own."""
-    block_of: dict[int, tuple] = {}  # id(module) -> (id(its list), chunk), for modules inside one
+    block_of: dict[int, object] = {}  # id(module) -> (id(its list), chunk), for modules inside one
 
     def visit(parent: nn.Module, block: object) -> None:
         is_list = isinstance(parent, nn.ModuleList)
-        for index, child in enumerate(parent if is_list else parent.children()):
+        children = parent if isinstance(parent, nn.ModuleList) else parent.children()
+        for index, child in enumerate(children):
             if id(child) in block_of:  # shared by two blocks: the first keeps it
                 continue
-            inner = (id(parent), index // items_per_block) if is_list else block
+            inner: object = (id(parent), index // items_per_block) if is_list else block
             if inner is not None:
                 block_of[id(child)] = inner
             visit(child, inner)
@@ -670,7 +688,7 @@ def runs_in_compute_dtype(layer: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in layer.parameters(recurse=False))
 
 
-def _units(module: nn.Module, shards: dict, cast_layers: list[nn.Module]) -> list:
+def _units(module: nn.Module, shards: dict, cast_layers: list[nn.Module]) -> list[_Unit]:
     """(unit module, [(owner, attribute, parameter)]) for the parameters FSDP handles: the
     sharded ones and every floating one of ``cast_layers``. An owner inside
     an item of an ``nn.ModuleList`` (the innermost one) belongs to that item's unit; the owners
@@ -687,7 +705,7 @@ def _units(module: nn.Module, shards: dict, cast_layers: list[nn.Module]) -> lis
                 visit(child, item_of[id(child)])
 
     visit(module, None)
-    units: dict[int, tuple[nn.Module, list]] = {}
+    units: dict[int, _Unit] = {}
     cast_ids = {id(layer) for layer in cast_layers}
     for owner in module.modules():
         cast = id(owner) in cast_ids

@@ -82,8 +82,10 @@ class Gather:
         device = shards[0].param.device
         send = torch.empty(sum(self.sizes), dtype=dtype, device=device)
         torch._foreach_copy_(list(send.split(self.sizes)), [s.param.detach() for s in shards])
-        self.gathered = torch.empty(world_size * send.numel(), dtype=dtype, device=device)
-        self.work = None
+        self.gathered: torch.Tensor | None = torch.empty(
+            world_size * send.numel(), dtype=dtype, device=device
+        )
+        self.work: dist.Work | None = None
         if world_size == 1:
             self.gathered.copy_(send)
         else:
@@ -93,6 +95,7 @@ class Gather:
         """The full weights, in ``shards``' order (call once: the buffer is let go)."""
         if self.work is not None:
             self.work.wait()  # on a GPU the stream waits, not the host
+        assert self.gathered is not None  # (wait runs once)
         rows = self.gathered.view(self.world_size, -1)
         padded = [rows.new_empty(self.world_size, size) for size in self.sizes]
         torch.split_with_sizes_copy(rows, self.sizes, dim=1, out=padded)

@@ -119,13 +119,20 @@ class _Bucket:
         self.work: dist.Work | None = None
 
     def views(self) -> list[torch.Tensor]:
+        assert self.buffer is not None  # (allocated by the bucket's first launch)
         return list(self.buffer.split(self.numels))
 
 
 class _OverlappedDataParallel(DataParallelBase):
     """Buckets launched from the gradient hooks, in bucket order; the rest at the end."""
 
-    def __init__(self, module, buckets_of, *, process_group=None):
+    def __init__(
+        self,
+        module: nn.Module,
+        buckets_of: Callable[[list[nn.Parameter]], tuple[list[list[int]], list[torch.dtype]]],
+        *,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__(module, process_group=process_group)
         indices_of, wire_dtypes = buckets_of(self.params)
         self.buckets = [_Bucket(ix, self.params, wire_dtypes[ix[0]]) for ix in indices_of]
@@ -173,17 +180,23 @@ class _OverlappedDataParallel(DataParallelBase):
             self._launch(bucket)
         self._next = len(self.buckets)
         used = self.used_everywhere()
-        in_place, grads, sums = [], [], []
+        in_place: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        sums: list[torch.Tensor] = []
         for bucket in self.buckets:
+            assert bucket.work is not None  # every bucket was launched above
             bucket.work.wait()
             if bucket.in_place:
                 if used[bucket.indices[0]]:
+                    assert bucket.reduced is not None  # (set by the launch)
                     in_place.append(bucket.reduced)
                 continue
             for i, view in zip(bucket.indices, bucket.views(), strict=True):
                 if used[i]:
-                    grads.append(self.params[i].grad)
-                    sums.append(view.view_as(grads[-1]))
+                    grad = self.params[i].grad
+                    assert grad is not None  # (used here: ranks that disagree raised)
+                    grads.append(grad)
+                    sums.append(view.view_as(grad))
         if grads:
             torch._foreach_copy_(grads, sums)  # back in the gradients' dtype, then divided there
         _divide(in_place + grads, self.world_size)
@@ -214,7 +227,9 @@ class DDPIndividualParameters(_OverlappedDataParallel):
     """
 
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None):
-        def one_per_parameter(params):
+        def one_per_parameter(
+            params: list[nn.Parameter],
+        ) -> tuple[list[list[int]], list[torch.dtype]]:
             return [[i] for i in reversed(range(len(params)))], [p.dtype for p in params]
 
         super().__init__(module, one_per_parameter, process_group=process_group)
@@ -262,7 +277,7 @@ class DDPBucketed(_OverlappedDataParallel):
         self.bucket_size_mb = float(bucket_size_mb)
         self.grad_dtype = grad_dtype
 
-        def by_size(params):
+        def by_size(params: list[nn.Parameter]) -> tuple[list[list[int]], list[torch.dtype]]:
             wire = [grad_dtype or p.dtype for p in params]
             nbytes = [p.numel() * w.itemsize for p, w in zip(params, wire, strict=True)]
             return group_buckets(nbytes, bucket_size_mb, kinds=wire), wire

@@ -37,6 +37,7 @@ no key (a length below ``Q_LEN``, which only CPU calls check) comes out NaN.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -315,8 +316,17 @@ def decode_combine_kernel(
 # --- checks --------------------------------------------------------------------------------------
 
 
-def check_decode_inputs(op: str, q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale=None,
-                        v_scale=None, values: bool = True) -> None:  # fmt: skip
+def check_decode_inputs(
+    op: str,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    values: bool = True,
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the op.
     Only metadata is read, except on CPU, where the lengths' values are checked too when
     ``values`` (a fake implementation, under tracing, has none to read)."""
@@ -376,7 +386,9 @@ def check_decode_inputs(op: str, q, k_cache, v_cache, cache_seqlens, sm_scale, k
             )
 
 
-def check_cache_scales(op: str, k_cache, k_scale, v_scale) -> None:
+def check_cache_scales(
+    op: str, k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> None:
     """An int8 cache has both scales, float32 ``(B, H_KV, CAPACITY)`` on its device; a float
     cache has none. ``k_cache`` is already checked."""
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -404,7 +416,15 @@ def check_cache_scales(op: str, k_cache, k_scale, v_scale) -> None:
 # --- launcher ------------------------------------------------------------------------------------
 
 
-def _decode_fallback(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_scale):
+def _decode_fallback(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor:
     """Plain PyTorch, float32, any device: the masked softmax over the whole (dequantized)
     cache, the query heads grouped per kv head through a view (not copied to H heads)."""
     _, heads, q_len, _ = q.shape
@@ -414,7 +434,7 @@ def _decode_fallback(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_sc
     lengths = cache_seqlens.clamp(0, capacity).to(keys.dtype)
     in_seq = keys < lengths[:, None]  # (B, CAP)
     k, v = k_cache.float(), v_cache.float()
-    if k_scale is not None:
+    if k_scale is not None and v_scale is not None:  # (both or neither: checked)
         k, v = k * k_scale[..., None], v * v_scale[..., None]
     k = torch.where(in_seq[:, None, :, None], k, 0.0)  # garbage past the length
     v = torch.where(in_seq[:, None, :, None], v, 0.0)
@@ -426,8 +446,15 @@ def _decode_fallback(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_sc
     return out.flatten(1, 2)
 
 
-def flash_attn2_decode_impl(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale=None,
-                            v_scale=None):  # fmt: skip
+def flash_attn2_decode_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``out`` ``(B, H, Q_LEN, D)``, contiguous, q's dtype: see the module docstring."""
     check_decode_inputs(OP, q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_scale)
     batch, heads, q_len, d = q.shape
@@ -455,13 +482,15 @@ def flash_attn2_decode_impl(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scal
     l_part = ops._alloc(q, (batch, heads, q_len, num_splits), torch.float32)
     acc_part = ops._alloc(q, (batch, heads, q_len, num_splits, d), torch.float32)
     int8_kv = k_scale is not None
-    if not int8_kv:  # the kernel reads no scale: any pointer will do, and zero strides
+    scale_strides: tuple[int, ...]
+    if k_scale is None or v_scale is None:  # (both or neither: checked)
+        # the kernel reads no scale: any pointer will do, and zero strides
         k_scale, v_scale, scale_strides = k_cache, v_cache, (0,) * 6
     else:
         scale_strides = (*k_scale.stride(), *v_scale.stride())
     sizes = (kv_heads, group, q_len, capacity, num_splits, float(sm_scale))
     strides = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides)
-    args = (q, k_cache, v_cache, k_scale, v_scale, cache_seqlens, m_part, l_part, acc_part)
+    args: tuple = (q, k_cache, v_cache, k_scale, v_scale, cache_seqlens, m_part, l_part, acc_part)
     args = (*args, *sizes, *strides, cache_seqlens.stride(0))
     constexprs = {
         "HEAD_DIM": d,
@@ -492,7 +521,15 @@ def flash_attn2_decode_impl(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scal
 # --- registration --------------------------------------------------------------------------------
 
 
-def _decode_fake(q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale=None, v_scale=None):
+def _decode_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     check_decode_inputs(
         OP, q, k_cache, v_cache, cache_seqlens, sm_scale, k_scale, v_scale, values=False
     )
@@ -517,7 +554,7 @@ flash_attn2_decode = define_op(
 )
 
 
-def _refuse_grad(ctx, inputs, output):
+def _refuse_grad(ctx: Any, inputs: tuple, output: object) -> None:
     raise inference_only_error("torch.ops.llmsys.flash_attn2_decode")
 
 

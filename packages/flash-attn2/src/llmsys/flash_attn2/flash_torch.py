@@ -18,6 +18,7 @@ The same algorithm as the Triton kernels, written with torch ops on tiles so tha
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -34,7 +35,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _causal_keep(q_start: int, n_q: int, k_start: int, n_k: int, device) -> torch.Tensor:
+def _causal_keep(
+    q_start: int, n_q: int, k_start: int, n_k: int, device: torch.types.Device
+) -> torch.Tensor:
     """(n_q, n_k) bool: True where query q_start + r may see key k_start + c."""
     rows = torch.arange(q_start, q_start + n_q, device=device)[:, None]
     cols = torch.arange(k_start, k_start + n_k, device=device)[None, :]
@@ -130,7 +133,14 @@ def flash_backward_torch(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def check_torch_inputs(q, k, v, is_causal, scale, op: str = "FlashAttention2Torch") -> None:
+def check_torch_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+    op: str = "FlashAttention2Torch",
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.tensor(op, name, t, TORCH_DTYPES)
@@ -152,7 +162,7 @@ def check_torch_inputs(q, k, v, is_causal, scale, op: str = "FlashAttention2Torc
     check_causal_and_scale(op, is_causal, scale, "is_causal")
 
 
-def check_causal_and_scale(op: str, causal, scale, causal_name: str) -> None:
+def check_causal_and_scale(op: str, causal: object, scale: object, causal_name: str) -> None:
     """``causal`` must be a bool and ``scale`` a finite float or None (errors name the argument)."""
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: `{causal_name}` must be a bool, got {type(causal).__name__}")
@@ -182,7 +192,14 @@ class FlashAttention2Torch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False, scale=None):
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         check_torch_inputs(q, k, v, is_causal, scale)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         out, lse = flash_forward_torch(q, k, v, is_causal, scale)
@@ -191,7 +208,7 @@ class FlashAttention2Torch(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         lse, q, k, v, out = ctx.saved_tensors
         dq, dk, dv = flash_backward_torch(grad_out, q, k, v, out, lse, ctx.is_causal, ctx.scale)
         return dq, dk, dv, None, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -12,7 +13,9 @@ from . import ops
 from .flash_torch import check_causal_and_scale
 
 
-def _check_arguments(op: str, q, k, v, causal, scale, causal_name: str) -> None:
+def _check_arguments(
+    op: str, q: object, k: object, v: object, causal: object, scale: object, causal_name: str
+) -> None:
     """What the dispatcher would reject before the op could name the argument; the op checks
     the rest (shapes, dtypes, devices) once, in ``ops.check_inputs``. The common call (three
     tensors, a bool, no scale) passes a cheap test; only another call pays for the full checks
@@ -47,7 +50,14 @@ class FlashAttention2Triton(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal=False, scale=None):
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        is_causal: bool = False,
+        scale: float | None = None,
+    ) -> torch.Tensor:
         _check_arguments("FlashAttention2Triton", q, k, v, is_causal, scale, "is_causal")
         scale = _default_scale(q) if scale is None else float(scale)
         out, lse = call_below_autograd(ops.flash_attn2_fwd, q, k, v, is_causal, scale)
@@ -56,7 +66,7 @@ class FlashAttention2Triton(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         refuse_double_backward("flash_attention")
         lse, q, k, v, out = ctx.saved_tensors
         dq, dk, dv = call_below_autograd(

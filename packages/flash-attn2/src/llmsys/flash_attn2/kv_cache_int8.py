@@ -23,6 +23,8 @@ to the host, so a CUDA graph replays it for any lengths. Rows that would land ou
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -123,8 +125,17 @@ def append_kv_int8_kernel(
 # --- checks --------------------------------------------------------------------------------------
 
 
-def check_append_inputs(op, k_new, v_new, k_cache, v_cache, k_scale, v_scale, cache_seqlens,
-                        values: bool = True):  # fmt: skip
+def check_append_inputs(
+    op: str,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    values: bool = True,
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the op.
     Only metadata is read, except on CPU, where the lengths' values are checked too when
     ``values`` (a fake implementation, under tracing, has none to read)."""
@@ -185,7 +196,15 @@ def check_append_inputs(op, k_new, v_new, k_cache, v_cache, k_scale, v_scale, ca
 # --- launcher ------------------------------------------------------------------------------------
 
 
-def _append_fallback(k_new, v_new, k_cache, v_cache, k_scale, v_scale, cache_seqlens):
+def _append_fallback(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+) -> None:
     """Plain PyTorch, any device: the reference quantizer and an indexed copy per sequence.
     (Only CPU takes it, where the lengths were checked.)"""
     new_tokens = k_new.shape[2]
@@ -196,8 +215,15 @@ def _append_fallback(k_new, v_new, k_cache, v_cache, k_scale, v_scale, cache_seq
             scale[b, :, start : start + new_tokens] = s[b]
 
 
-def flash_attn2_append_kv_int8_impl(k_new, v_new, k_cache, v_cache, k_scale, v_scale,
-                                    cache_seqlens):  # fmt: skip
+def flash_attn2_append_kv_int8_impl(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+) -> None:
     """Writes the quantized ``k_new``, ``v_new`` into the cache: see the module docstring."""
     args = (k_new, v_new, k_cache, v_cache, k_scale, v_scale, cache_seqlens)
     check_append_inputs(OP, *args)
@@ -227,7 +253,15 @@ def flash_attn2_append_kv_int8_impl(k_new, v_new, k_cache, v_cache, k_scale, v_s
 # --- registration --------------------------------------------------------------------------------
 
 
-def _append_fake(k_new, v_new, k_cache, v_cache, k_scale, v_scale, cache_seqlens):
+def _append_fake(
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+) -> None:
     args = (k_new, v_new, k_cache, v_cache, k_scale, v_scale, cache_seqlens)
     check_append_inputs(OP, *args, values=False)
 
@@ -245,7 +279,7 @@ flash_attn2_append_kv_int8 = define_op(
 
 # torch.library.register_autograd takes only functional ops: this in-place op gets a plain
 # Autograd kernel that refuses a call autograd would record, and otherwise runs below autograd.
-def _append_autograd(*args):
+def _append_autograd(*args: Any) -> None:
     if wants_grad(*args):
         raise inference_only_error(f"torch.ops.llmsys.{OP}")
     with torch._C._AutoDispatchBelowAutograd():

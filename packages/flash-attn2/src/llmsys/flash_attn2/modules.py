@@ -34,8 +34,8 @@ class FlashSelfAttention(nn.Module):
         n_kv_heads: int | None = None,
         causal: bool = True,
         *,
-        device=None,
-        dtype=None,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads

@@ -67,7 +67,15 @@ FORWARD_KERNEL = "auto"
 # --- input checks --------------------------------------------------------------------------------
 
 
-def check_inputs(op: str, q, k, v, causal, scale, causal_name: str = "causal") -> None:
+def check_inputs(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    causal_name: str = "causal",
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs fit the ops."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.tensor(op, name, t, SUPPORTED_DTYPES)
@@ -100,7 +108,7 @@ def check_inputs(op: str, q, k, v, causal, scale, causal_name: str = "causal") -
     check_causal_and_scale(op, causal, scale, causal_name)
 
 
-def check_grad_out(op: str, grad_out, out) -> None:
+def check_grad_out(op: str, grad_out: torch.Tensor, out: torch.Tensor) -> None:
     checks.tensor(op, "grad_out", grad_out)
     if grad_out.shape != out.shape:
         raise ValueError(
@@ -112,7 +120,7 @@ def check_grad_out(op: str, grad_out, out) -> None:
 # --- launchers -----------------------------------------------------------------------------------
 
 
-def _alloc(like: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+def _alloc(like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Every output buffer comes from here (tests fill it with NaN to catch unwritten elements),
     on ``like``'s device: ``new_empty`` cost about 1 us less per call than
     ``torch.empty(shape, dtype=, device=)`` on an H100 host (triton-launch DECISIONS.md)."""
@@ -164,7 +172,9 @@ def _rows_fit_int32(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _fallback_forward(q, k, v, causal, scale):
+def _fallback_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-PyTorch FlashAttention-2, one query head of each group at a time (no expansion)."""
     group = q.shape[1] // k.shape[1]
     q_grouped = q.unflatten(1, (k.shape[1], group))  # (B, H_kv, G, N_q, d), a view
@@ -177,7 +187,16 @@ def _fallback_forward(q, k, v, causal, scale):
     return out, lse
 
 
-def _fallback_backward(grad_out, q, k, v, out, lse, causal, scale):
+def _fallback_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     group = q.shape[1] // k.shape[1]
     split = [t.unflatten(1, (k.shape[1], group)) for t in (grad_out, q, out, lse)]
     dqs, dk, dv = (
@@ -219,7 +238,7 @@ def flash_attn2_fwd_impl(
     return out, lse
 
 
-def _tma_forward_applies(q, k, v) -> bool:
+def _tma_forward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the TMA forward takes these (checked, 4-D) inputs: see FORWARD_KERNEL."""
     if FORWARD_KERNEL == "pointer" or TensorDescriptor is None:
         return False
@@ -245,7 +264,15 @@ def _tma_forward_applies(q, k, v) -> bool:
     )
 
 
-def _launch_forward(q, k, v, out, lse, causal: bool, scale: float) -> None:
+def _launch_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> None:
     """Launch the forward on 4-D views of checked inputs, writing ``out`` and ``lse``."""
     batch, heads, n_q, d = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -269,8 +296,8 @@ def _launch_forward(q, k, v, out, lse, causal: bool, scale: float) -> None:
             "DOT_UPCAST": not q.is_cuda and q.dtype == torch.bfloat16,
             "FOLD_SCALE": fold,
         }
-        grid = (cdiv(n_q, tile.block_m), batch * heads)
-        args = (*descriptors, lse, *sizes)
+        grid: tuple[int, ...] = (cdiv(n_q, tile.block_m), batch * heads)
+        args: tuple = (*descriptors, lse, *sizes)
         launch(kernels.attn_fwd_tma_kernel, grid, args, constexprs, tile.num_warps, tile.num_stages)
         return
     tile = tile_configs(d, q.dtype)[0]
@@ -316,7 +343,19 @@ def flash_attn2_bwd_impl(
     return dq, dk, dv
 
 
-def _launch_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float) -> None:
+def _launch_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> None:
     """Launch the backward's two kernels on 4-D views of checked inputs (``lse`` and the
     gradients contiguous). The dQ kernel also writes ``delta = rowsum(dO * O)`` for the dK/dV
     kernel."""
@@ -342,13 +381,24 @@ def _launch_backward(do, q, k, v, o, lse, dq, dk, dv, causal: bool, scale: float
 # --- registration --------------------------------------------------------------------------------
 
 
-def _fwd_fake(q, k, v, causal, scale):
+def _fwd_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs("flash_attn2_fwd", q, k, v, causal, scale)
     out = q.new_empty(q.shape)  # contiguous
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
-def _bwd_fake(grad_out, q, k, v, out, lse, causal, scale):
+def _bwd_fake(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, ...]:
     check_inputs("flash_attn2_bwd", q, k, v, causal, scale)
     check_grad_out("flash_attn2_bwd", grad_out, out)
     return tuple(t.new_empty(t.shape) for t in (q, k, v))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,7 +75,9 @@ def apply_llmsys(
     classes = family_classes()
     named = list(model.named_modules())
 
-    def of(part: str) -> list[tuple[str, nn.Module]]:
+    # (name, module) of the model's modules of one part: transformers' classes, whose attributes
+    # (self_attn.config, input_layernorm, ...) mypy does not know
+    def of(part: str) -> list[tuple[str, Any]]:
         return [(n, m) for n, m in named if original_class(m) in classes[part]]
 
     layers = of("decoder_layer")
@@ -119,8 +122,9 @@ def apply_llmsys(
         patch_gated_mlps(model)
         report["mlp"] = [f"{n}.mlp" for n, _ in layers]
     if attention and config._attn_implementation != ATTN_IMPLEMENTATION:
-        if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
-            model.set_attn_implementation(register_flash_attention())
+        set_attn_implementation = getattr(model, "set_attn_implementation", None)
+        if set_attn_implementation is not None:  # a transformers PreTrainedModel
+            set_attn_implementation(register_flash_attention())
         else:
             config._attn_implementation = register_flash_attention()
         report["attention"] = [f"{n}.self_attn" for n, _ in layers]

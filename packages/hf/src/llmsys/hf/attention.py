@@ -41,6 +41,9 @@ flash-attn2 as above, every other one gets SDPA's mask and SDPA, padding include
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from llmsys.flash_attn2 import decode_attention, flash_attention
@@ -73,7 +76,7 @@ def register_serving_attention() -> str:
     return _register(SERVING_IMPLEMENTATION, serving_attention_interface, serving_mask)
 
 
-def _register(name: str, attention, mask) -> str:
+def _register(name: str, attention: Callable[..., Any], mask: Callable[..., Any]) -> str:
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -101,7 +104,7 @@ def causal_mask(
     attention_mask: torch.Tensor | None = None,
     allow_is_causal_skip: bool = True,
     local_size: int | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> torch.Tensor | None:
     """transformers' mask function for this implementation: None where plain causal attention is
     exact, :func:`static_cache_mask` where it is exact over a static KV cache's first slots,
@@ -149,8 +152,8 @@ def serving_mask(
     attention_mask: torch.Tensor | None = None,
     allow_is_causal_skip: bool = True,
     local_size: int | None = None,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> torch.Tensor | None:
     """transformers' mask function for ``"llmsys_serve"``: :func:`static_cache_mask` where a
     forward over a static KV cache is plain causal attention over its first slots, else SDPA's
     own mask (padding, chunked prefill, a sliding window: served by SDPA as before)."""
@@ -169,13 +172,15 @@ def serving_mask(
     )  # fmt: skip
 
 
-def static_cache_mask(batch_size: int, q_length: int, device=None) -> torch.Tensor:
+def static_cache_mask(
+    batch_size: int, q_length: int, device: torch.types.Device = None
+) -> torch.Tensor:
     """The mask functions' verdict "plain causal attention over a static KV cache's first
     slots": an empty ``(batch_size, 1, q_length, 0)`` tensor (a mask over no keys)."""
     return torch.empty((batch_size, 1, q_length, 0), dtype=torch.bool, device=device)
 
 
-def is_static_cache_mask(attention_mask) -> bool:
+def is_static_cache_mask(attention_mask: object) -> bool:
     """Whether ``attention_mask`` is :func:`static_cache_mask`'s verdict."""
     return (
         isinstance(attention_mask, torch.Tensor)
@@ -184,7 +189,9 @@ def is_static_cache_mask(attention_mask) -> bool:
     )
 
 
-def _over_a_static_cache(q_length, kv_length, q_offset, kv_offset) -> bool:
+def _over_a_static_cache(
+    q_length: int, kv_length: int, q_offset: int | torch.Tensor, kv_offset: int
+) -> bool:
     """Whether transformers sized this forward's mask for a static KV cache: one that counts its
     tokens on the device (a tensor offset), or offers more slots than the tokens so far."""
     return isinstance(q_offset, torch.Tensor) or (
@@ -193,9 +200,16 @@ def _over_a_static_cache(q_length, kv_length, q_offset, kv_offset) -> bool:
 
 
 def _static_cache_refusal(
-    batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, allow_is_causal_skip,
-    local_size, kwargs,
-) -> str | None:  # fmt: skip
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor,
+    kv_offset: int,
+    attention_mask: torch.Tensor | None,
+    allow_is_causal_skip: bool,
+    local_size: int | None,
+    kwargs: dict[str, Any],
+) -> str | None:
     """Why a forward over a static KV cache is not plain causal attention over the cache's first
     slots, the case :func:`static_cache_attention` computes from the cache's lengths; None if
     it is. Reads nothing from the device on a decode step (at most 16 new tokens, no
@@ -241,7 +255,9 @@ def _static_cache_refusal(
     return _padding_refusal(attention_mask)
 
 
-def _pattern_refusal(mask_function, pattern) -> str | None:
+def _pattern_refusal(
+    mask_function: Callable[..., torch.Tensor] | None, pattern: tuple
+) -> str | None:
     """Why transformers' composed mask pattern (packed sequences, a custom or bidirectional
     mask; or packing not ruled out while tracing) is not plain causal; None if it is."""
     if _capturing():
@@ -257,7 +273,7 @@ def _pattern_refusal(mask_function, pattern) -> str | None:
     return None
 
 
-def _padding_refusal(attention_mask) -> str | None:
+def _padding_refusal(attention_mask: torch.Tensor | None) -> str | None:
     """Why transformers' 2-D padding mask (as booleans) masks something; None if it does not."""
     if attention_mask is None:
         return None
@@ -274,7 +290,15 @@ def _padding_refusal(attention_mask) -> str | None:
     return None
 
 
-def _is_plain_causal(mask_function, batch_size, q_length, kv_length, q_offset, kv_offset, device):
+def _is_plain_causal(
+    mask_function: Callable[..., torch.Tensor] | None,
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    device: torch.types.Device,
+) -> bool:
     """Whether transformers' index-based ``mask_function(batch, head, q, kv) -> bool`` allows
     exactly ``kv <= q`` at every position of this call. Reads a device tensor: under
     torch.compile this is a graph break (one per forward, not per layer)."""
@@ -305,7 +329,7 @@ def flash_attention_interface(
     is_causal: bool | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over :func:`flash_attention`.
 
@@ -369,8 +393,8 @@ def serving_attention_interface(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> Any:
     """transformers' attention-function signature for ``"llmsys_serve"``: SDPA (transformers'
     own function, with the mask :func:`serving_mask` built); the static-cache verdict, which
     llmsys' attention forwards serve before calling this, is refused."""
@@ -381,7 +405,7 @@ def serving_attention_interface(
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
-def _static_cache_unserved(module: torch.nn.Module) -> ValueError:
+def _static_cache_unserved(module: Any) -> ValueError:
     return _refuse(
         f"a static KV cache (StaticCache, cache_implementation='static') has unfilled slots, and "
         f"this {type(module).__name__} runs transformers' attention forward, which cannot tell "
@@ -392,13 +416,13 @@ def _static_cache_unserved(module: torch.nn.Module) -> ValueError:
 
 
 def static_cache_attention(
-    module: torch.nn.Module,
+    module: Any,
     query: torch.Tensor,
     new_key: torch.Tensor,
     new_value: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    cache,
+    cache: Any,
 ) -> torch.Tensor:
     """Attention over a static KV cache, given the mask function's verdict that this forward is
     plain causal attention over the cache's first slots (:func:`static_cache_mask`).
@@ -420,7 +444,7 @@ def static_cache_attention(
         ``(B, N, H, d)``, contiguous, as transformers' attention functions return it.
     """
     layers = getattr(cache, "layers", ())
-    layer = layers[module.layer_idx] if module.layer_idx < len(layers) else None
+    layer: Any = layers[module.layer_idx] if module.layer_idx < len(layers) else None
     if not isinstance(getattr(layer, "cumulative_length", None), torch.Tensor) or (
         getattr(layer, "keys", None) is not keys
     ):

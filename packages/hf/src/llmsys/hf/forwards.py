@@ -23,6 +23,8 @@ to transformers' own forward of the module's class:
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,12 +35,16 @@ from .attention import is_static_cache_mask, static_cache_attention
 from .rewrite import original_class
 
 
-def rms_norm_forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+def rms_norm_forward(
+    self: Any, hidden_states: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``LlamaRMSNorm.forward``; with ``residual``, returns ``(norm(hidden + residual), sum)``."""
     return rms_norm(hidden_states, self.weight, self.variance_epsilon, residual=residual)
 
 
-def float_decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+def float_decoder_layer_forward(
+    self: Any, hidden_states: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
     """``LlamaDecoderLayer.forward`` with the add after attention fused into the next norm.
 
     The keyword arguments go to the attention as transformers' layer passes them. The add after
@@ -65,13 +71,13 @@ def _cast_once(normed: torch.Tensor) -> torch.Tensor:
     return normed
 
 
-def full_width_rotary(config) -> bool:
+def full_width_rotary(config: Any) -> bool:
     """Whether a model of ``config`` rotates every channel of a head (no
     ``partial_rotary_factor``): the case the fused ``rotary`` kernel fits."""
     return getattr(config, "partial_rotary_factor", 1.0) == 1.0
 
 
-def _interface(module: nn.Module):
+def _interface(module: Any) -> Callable[..., Any]:
     """The attention function ``config._attn_implementation`` names, as transformers picks it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -82,14 +88,14 @@ def _interface(module: nn.Module):
 
 
 def rotary_attention(
-    attn: nn.Module,
+    attn: Any,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None = None,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A Llama-, Mistral- or Qwen2-family attention ``attn`` from its projections' outputs:
     rotary embeddings, KV cache, the configured attention implementation, ``o_proj``.
 
@@ -145,14 +151,15 @@ def rotary_attention(
 
 
 def rotary_attention_forward(
-    self,
+    self: Any,
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
-    **kwargs,
-):
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``LlamaAttention.forward`` (and Mistral's and Qwen2's) with q and k rotated in one launch:
     the three projections of ``hidden_states``, then :func:`rotary_attention`."""
+    assert position_embeddings is not None  # (None only in the signature: layers pass them)
     return rotary_attention(
         self,
         self.q_proj(hidden_states),
@@ -164,7 +171,7 @@ def rotary_attention_forward(
     )
 
 
-def _output_with_cache(outputs, **fields):
+def _output_with_cache(outputs: Any, **fields: Any) -> Any:
     """A ``CausalLMOutputWithPast`` carrying ``outputs``' cache under the field name of the
     installed transformers (``cache`` from 5.2x, ``past_key_values`` before)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -176,7 +183,14 @@ def _output_with_cache(outputs, **fields):
     return CausalLMOutputWithPast(**fields)
 
 
-def causal_lm_forward(self, input_ids=None, *args, labels=None, logits_to_keep=0, **kwargs):
+def causal_lm_forward(
+    self: Any,
+    input_ids: torch.Tensor | None = None,
+    *args: Any,
+    labels: torch.Tensor | None = None,
+    logits_to_keep: int | torch.Tensor = 0,
+    **kwargs: Any,
+) -> Any:
     """``LlamaForCausalLM.forward`` whose loss never materialises the logits.
 
     With ``labels`` (and no ``logits_to_keep``), the loss comes from the last hidden states

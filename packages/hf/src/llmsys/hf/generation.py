@@ -14,7 +14,9 @@ and int8, and the rewritten attention reads the static cache through flash-attn2
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from numbers import Integral
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,7 +95,9 @@ def generate(
     return torch.cat([ids, *new], dim=1).to(input_ids.dtype)
 
 
-def _check_arguments(model, input_ids, max_new_tokens, cuda_graph) -> None:
+def _check_arguments(
+    model: object, input_ids: object, max_new_tokens: object, cuda_graph: object
+) -> None:
     """``generate``'s arguments, each refused by name before anything runs."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"generate: `model` must be an nn.Module, got {type(model).__name__}")
@@ -127,7 +131,7 @@ def _check_arguments(model, input_ids, max_new_tokens, cuda_graph) -> None:
         )
 
 
-def cached_forward(model: nn.Module, cache):
+def cached_forward(model: nn.Module, cache: Any) -> Callable[..., torch.Tensor]:
     """``call(ids, positions, **extra) -> logits``: ``model``'s forward on token ``ids`` at
     ``positions`` (both (batch, tokens)), reading and writing ``cache`` at those positions. It
     passes the keywords this transformers version takes: ``cache`` or ``past_key_values``, and
@@ -139,7 +143,7 @@ def cached_forward(model: nn.Module, cache):
     key = "cache" if "cache" in parameters else "past_key_values"
     with_cache_position = "cache_position" in parameters
 
-    def call(ids: torch.Tensor, positions: torch.Tensor, **extra) -> torch.Tensor:
+    def call(ids: torch.Tensor, positions: torch.Tensor, **extra: Any) -> torch.Tensor:
         if with_cache_position:
             extra["cache_position"] = positions[0]
         out = model(ids, position_ids=positions, use_cache=True, **{key: cache}, **extra)

@@ -93,6 +93,6 @@ def patch_gated_mlps(model: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         patched = SwiGLUGatedMLP(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         setattr(model.get_submodule(parent_name), child, patched)
-    names = [name for name, _ in found]
-    logger.info("patch_gated_mlps: patched %d gated MLP(s): %s", len(names), names)
+    patched_names = [name for name, _ in found]
+    logger.info("patch_gated_mlps: patched %d gated MLP(s): %s", len(patched_names), patched_names)
     return model

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +59,9 @@ def _refuse_grad(x: torch.Tensor, what: str) -> None:
         raise inference_only_error(f"quantize_model's {what}")
 
 
-def _attention_on_rows(attn: nn.Module, rows, scale, lead: torch.Size, **kwargs):
+def _attention_on_rows(
+    attn: Any, rows: torch.Tensor, scale: torch.Tensor, lead: torch.Size, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention on int8 rows (M, H) and their scales (M,) of ``lead`` tokens:
     ``(output (..., H), attention weights or None)``."""
     qkv = attn.qkv_proj.forward_quantized(rows, scale).view(*lead, -1)  # (..., Wq + Wk + Wv)
@@ -65,7 +69,7 @@ def _attention_on_rows(attn: nn.Module, rows, scale, lead: torch.Size, **kwargs)
     return rotary_attention(attn, query, key, value, **kwargs)
 
 
-def _mlp_on_rows(mlp: nn.Module, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _mlp_on_rows(mlp: Any, rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The gated MLP on int8 rows (M, H) and their scales (M,): (M, H)."""
     gate_up = mlp.gate_up_proj.forward_quantized(rows, scale)  # (M, 2I)
     inner = gate_up.shape[1] // 2
@@ -78,7 +82,9 @@ def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_int8_perrow(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
 
 
-def w8a8_attention_forward(self, hidden_states: torch.Tensor, **kwargs):
+def w8a8_attention_forward(
+    self: Any, hidden_states: torch.Tensor, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention's forward on float rows, for callers of ``layer.self_attn`` alone (the
     decoder layer feeds it int8 rows from its norm): quantize per token, then the fused path.
     Returns ``(output, attention weights or None)`` as transformers' attention does."""
@@ -87,7 +93,7 @@ def w8a8_attention_forward(self, hidden_states: torch.Tensor, **kwargs):
     return _attention_on_rows(self, rows, scale, hidden_states.shape[:-1], **kwargs)
 
 
-def w8a8_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+def w8a8_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     """The gated MLP's forward on float rows, for callers of ``layer.mlp`` alone (the decoder
     layer feeds it int8 rows from its norm): quantize per token, then the fused path."""
     _refuse_grad(x, "MLP")
@@ -95,7 +101,7 @@ def w8a8_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return _mlp_on_rows(self, rows, scale).view(*x.shape[:-1], self.down_proj.out_features)
 
 
-def _check_hidden_states(layer: nn.Module, hidden_states) -> None:
+def _check_hidden_states(layer: Any, hidden_states: torch.Tensor) -> None:
     """Refuse what the fused path would serve wrongly or through a slower copy: gradients, a
     dtype other than the layer's, a non-contiguous tensor."""
     _refuse_grad(hidden_states, "decoder layer")
@@ -112,7 +118,10 @@ def _check_hidden_states(layer: nn.Module, hidden_states) -> None:
 
 
 def w8a8_decoder_layer_forward(
-    self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
+    self: Any,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
 ) -> torch.Tensor:
     """The decoder layer in W8A8: transformers' order (norm, attention, add, norm, MLP, add),
     each norm writing int8 rows for the GEMM after it. The keyword arguments (the KV cache,
@@ -138,7 +147,7 @@ def w8a8_decoder_layer_forward(
 def _float_linears(owner: nn.Module, names: tuple[str, ...]) -> str | None:
     """Why ``owner``'s projections ``names`` cannot become one int8 GEMM, or None: each a plain
     nn.Linear, of one float dtype and one input width."""
-    linears = [getattr(owner, name, None) for name in names]
+    linears: list[Any] = [getattr(owner, name, None) for name in names]
     for name, linear in zip(names, linears, strict=True):
         if type(linear) is not nn.Linear:
             return f"{name} is {type(linear).__name__}, not nn.Linear"
@@ -155,7 +164,8 @@ def unfit_reason(layer: nn.Module, classes: dict[str, tuple[type, ...]]) -> str 
     """Why ``layer`` is not a decoder layer ``quantize_model`` can rewrite, or None if it is."""
     if type(layer) not in classes["decoder_layer"]:
         return f"{type(layer).__name__} is not a Llama-, Mistral- or Qwen2-family decoder layer"
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
     for part, module, kind in (("self_attn", attn, "attention"), ("mlp", mlp, "mlp")):
         if type(module) not in classes[kind]:
             return (
@@ -219,7 +229,7 @@ def _rewritten_for_training(module: nn.Module) -> bool:
     return isinstance(module, SwiGLUGatedMLP) or type(module) is not original_class(module)
 
 
-def _plan_layer(layer: nn.Module):
+def _plan_layer(layer: Any) -> Callable[[], None]:
     """Quantize ``layer``'s projections; returns a function that installs them (so a refusal
     raised while quantizing any layer leaves the model unchanged)."""
     attn, mlp = layer.self_attn, layer.mlp
@@ -330,7 +340,8 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     # does not recognise (the fallback, warned about).
     inside = tuple(f"{name}." for name, _, _ in layers)
     rest = [(n, m) for n, m in named if type(m) is nn.Linear and not n.startswith(inside)]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if output_embeddings is not None else None
     in_rejected = tuple(f"{name}." for name, _, _ in rejected)
     fallback = [(name, why) for name, _, why in rejected] + [
         (name, "an nn.Linear outside the decoder layers")
@@ -343,8 +354,9 @@ def quantize_model(model: nn.Module) -> dict[str, list[str]]:
     config = layers[0][1].self_attn.config
     # A layer it did not rewrite keeps transformers' attention, which cannot read a static cache.
     if not rejected and config._attn_implementation == "sdpa":
-        if hasattr(model, "set_attn_implementation"):  # a transformers PreTrainedModel
-            model.set_attn_implementation(register_serving_attention())
+        set_attn_implementation = getattr(model, "set_attn_implementation", None)
+        if set_attn_implementation is not None:  # a transformers PreTrainedModel
+            set_attn_implementation(register_serving_attention())
         else:
             config._attn_implementation = register_serving_attention()
     if rest:

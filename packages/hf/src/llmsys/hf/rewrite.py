@@ -16,18 +16,21 @@ recomputed), and pickle cannot restore such a binding. The subclass keeps what u
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, SupportsIndex, cast
 
 from torch import nn
 
 
-def original_class(module: nn.Module) -> type:
+def original_class(module: nn.Module) -> type[nn.Module]:
     """The class ``module`` had before any rewrite (its own class if none)."""
     return getattr(type(module), "_llmsys_rewrite", (type(module),))[0]
 
 
-def rewrite(module: nn.Module, forward) -> bool:
+def rewrite(module: nn.Module, forward: Callable[..., Any]) -> bool:
     """Give ``module`` the ``forward`` function (``forward(self, ...)``); False if it has it."""
-    cls = rewritten_class(original_class(module), forward)
+    base: type = original_class(module)  # (to mypy a module class is not Hashable)
+    cls = rewritten_class(base, forward)
     if type(module) is cls:
         return False
     module.__class__ = cls
@@ -35,7 +38,7 @@ def rewrite(module: nn.Module, forward) -> bool:
 
 
 @functools.cache
-def rewritten_class(base: type, forward) -> type:
+def rewritten_class(base: type, forward: Callable[..., Any]) -> type[nn.Module]:
     """The subclass of ``base`` whose ``forward`` is ``forward``."""
     return type(
         base.__name__,
@@ -50,12 +53,12 @@ def rewritten_class(base: type, forward) -> type:
     )
 
 
-def _reduce_ex(self, protocol):
+def _reduce_ex(self: Any, protocol: SupportsIndex) -> tuple:  # self: a rewritten module
     # object's reduction, with the class replaced by the (base, forward) pair that rebuilds it
-    _, _, *state = object.__reduce_ex__(self, protocol)
+    _, _, *state = cast(tuple, object.__reduce_ex__(self, protocol))
     return (_new, type(self)._llmsys_rewrite, *state)
 
 
-def _new(base: type, forward) -> nn.Module:
+def _new(base: type, forward: Callable[..., Any]) -> nn.Module:
     cls = rewritten_class(base, forward)
     return cls.__new__(cls)

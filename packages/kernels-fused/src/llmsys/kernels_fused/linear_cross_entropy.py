@@ -21,6 +21,8 @@ its fake, the autograd, the public functions.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -141,7 +143,16 @@ def cross_entropy_rows_kernel(
 CPU_RUNS_TRITON = runs_under_interpreter(cross_entropy_rows_kernel)
 
 
-def _rows(logits, target, losses, n_valid, ignore_index, label_smoothing, mean, write_grad):
+def _rows(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    losses: torch.Tensor,
+    n_valid: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    mean: bool,
+    write_grad: bool,
+) -> None:
     """The row kernel's work on one chunk: ``losses`` and, if ``write_grad``, the gradient over
     ``logits``."""
     rows, n_cols = logits.shape
@@ -228,7 +239,17 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # CPU: products of 16-bit values are exact
 
 
-def _check(op, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size):
+def _check(
+    op: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    chunk_size: int,
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the op's arguments fit."""
     checks.tensor(op, "hidden", hidden, FLOAT_DTYPES)
     checks.tensor(op, "weight", weight, FLOAT_DTYPES)
@@ -262,7 +283,9 @@ def _weight_shape_error(op: str, weight: torch.Tensor, hidden: torch.Tensor) -> 
     )
 
 
-def _check_scalars(op, ignore_index, label_smoothing, reduction, chunk_size) -> None:
+def _check_scalars(
+    op: str, ignore_index: int, label_smoothing: float, reduction: str, chunk_size: int
+) -> None:
     checks.integer(op, "ignore_index", ignore_index, -(2**63))
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, float | int):
         raise TypeError(
@@ -289,18 +312,18 @@ def _check_targets_on_cpu(op: str, target: torch.Tensor, ignore_index: int, n_co
 
 
 def _linear_cross_entropy_fwd(
-    hidden,
-    weight,
-    target,
-    bias,
-    ignore_index,
-    label_smoothing,
-    reduction,
-    chunk_size,
-    hidden_grad,
-    weight_grad,
-    bias_grad,
-):
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    chunk_size: int,
+    hidden_grad: bool,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     op = "linear_cross_entropy_fwd"
     _check(op, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, chunk_size)
     if not hidden.is_cuda:
@@ -321,18 +344,18 @@ def _linear_cross_entropy_fwd(
 
 
 def _chunks(
-    hidden,
-    weight,
-    target,
-    bias,
-    ignore_index,
-    label_smoothing,
-    mean,
-    chunk_size,
-    hidden_grad,
-    weight_grad,
-    bias_grad,
-):
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    mean: bool,
+    chunk_size: int,
+    hidden_grad: bool,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n_tokens, vocab = hidden.shape[0], weight.shape[0]
     dtype = hidden.dtype
     # Under autocast weight (and bias) may be wider than hidden: cast once per call, as
@@ -392,6 +415,7 @@ def _chunks(
     if weight_grad:
         grad_weight = grad_weight.to(weight.dtype)
     if bias_grad:
+        assert bias is not None  # (the caller asks for a bias gradient only with a bias)
         grad_bias = grad_bias.to(bias.dtype)
     return loss, grad_hidden, grad_weight, grad_bias
 
@@ -400,18 +424,18 @@ def _chunks(
 
 
 def _linear_cross_entropy_fwd_fake(
-    hidden,
-    weight,
-    target,
-    bias,
-    ignore_index,
-    label_smoothing,
-    reduction,
-    chunk_size,
-    hidden_grad,
-    weight_grad,
-    bias_grad,
-):
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    chunk_size: int,
+    hidden_grad: bool,
+    weight_grad: bool,
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check(
         "linear_cross_entropy_fwd",
         hidden,
@@ -453,14 +477,14 @@ linear_cross_entropy_fwd = define_op(
 _INPUT_GRADS = {0: "hidden_grad", 1: "weight_grad", 3: "bias_grad"}  # input index -> its flag
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
     _, grad_hidden, grad_weight, grad_bias = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight, grad_bias)
     ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
     ctx.computed = (inputs[8], inputs[9], inputs[10] and inputs[3] is not None)
 
 
-def _scaled_grads(ctx, grad_loss, in_place: bool) -> tuple:
+def _scaled_grads(ctx: Any, grad_loss: torch.Tensor, in_place: bool) -> tuple:
     refuse_double_backward("linear_cross_entropy")
     grads = [None] * 11
     for (index, flag), computed, grad in zip(
@@ -478,12 +502,12 @@ def _scaled_grads(ctx, grad_loss, in_place: bool) -> tuple:
     return tuple(grads)
 
 
-def _backward(ctx, grad_loss, *_unused):
+def _backward(ctx: Any, grad_loss: torch.Tensor, *_unused: object) -> tuple:
     # The op called by name: its gradient outputs are the caller's tensors; leave them alone.
     return _scaled_grads(ctx, grad_loss, in_place=False)
 
 
-def _backward_in_place(ctx, grad_loss, *_unused):
+def _backward_in_place(ctx: Any, grad_loss: torch.Tensor, *_unused: object) -> tuple:
     # Only this Function holds the precomputed gradients: scale them in place instead of
     # allocating a second (V, H) weight gradient. A second backward through the same graph
     # (retain_graph=True) then fails autograd's saved-tensor version check instead of scaling
@@ -498,7 +522,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
     # forward takes ctx itself: with a separate setup_context, Function.apply binds every
     # call's arguments through inspect.signature (DECISIONS.md: host cost).
     @staticmethod
-    def forward(ctx, *args):
+    def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
         output = call_below_autograd(linear_cross_entropy_fwd, *args)
         _setup_context(ctx, args, output)
         return output
@@ -605,7 +629,7 @@ def linear_cross_entropy(
         raise checks.as_called(error, "linear_cross_entropy") from None
 
 
-def _check_num_items(op: str, num_items) -> None:
+def _check_num_items(op: str, num_items: object) -> None:
     if num_items is None:
         return
     if isinstance(num_items, torch.Tensor):
@@ -693,7 +717,7 @@ def causal_lm_loss(
         )
     if shift_labels is None:
         checks.integer(op, "ignore_index", ignore_index, -(2**63))  # before F.pad takes it
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = F.pad(given, (0, 1), value=ignore_index)[..., 1:]  # given: labels
     reduction = "mean" if num_items_in_batch is None else "sum"
     try:
         loss = linear_cross_entropy(

@@ -4,6 +4,7 @@ compare against these; on CPU without ``TRITON_INTERPRET=1`` the public function
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@overload
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = ..., residual: None = None
+) -> torch.Tensor: ...
+@overload
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = ..., *, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm_reference(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, overload
 
 import torch
 import triton
@@ -262,11 +263,13 @@ def _max_programs(t: torch.Tensor) -> int:
     return PROGRAMS_PER_SM * sm_count(t.device)
 
 
-def _eps_ok(eps) -> bool:
+def _eps_ok(eps: float) -> bool:
     return type(eps) in (float, int) and 0 <= eps < math.inf
 
 
-def check_inputs(op: str, x, weight, eps, residual) -> None:
+def check_inputs(
+    op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the inputs are valid."""
     checks.tensor(op, "x", x, DTYPES)
     checks.tensor(op, "weight", weight, DTYPES)
@@ -288,7 +291,7 @@ def check_inputs(op: str, x, weight, eps, residual) -> None:
         checks.same_device(op, "residual", residual, "x", x)
 
 
-def _valid(x, weight, eps, residual) -> bool:
+def _valid(x: object, weight: object, eps: object, residual: object) -> bool:
     """check_inputs' verdict, cheaply: only a failure pays for the messages."""
     if not (
         type(x) is torch.Tensor
@@ -318,9 +321,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return (t.reshape(-1, n) if n else t.reshape(math.prod(t.shape[:-1]), 0)).contiguous()
 
 
-def _rms_norm_fwd_eager(x, weight, eps, residual):
+def _rms_norm_fwd_eager(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out = rms_norm_reference(x, weight, eps, residual)
-    y, s = (out, x.new_empty(0)) if residual is None else out
+    y, s = (out, x.new_empty(0)) if isinstance(out, torch.Tensor) else out
     s32 = (x if residual is None else s).float()
     rstd = torch.rsqrt(s32.pow(2).mean(-1) + eps).reshape(-1)  # (M,)
     return y.contiguous(), s.contiguous(), rstd
@@ -331,7 +336,9 @@ def _rms_norm_fwd_eager(x, weight, eps, residual):
 promoted_dtype = functools.cache(torch.promote_types)
 
 
-def residual_rows(x, x2, residual) -> tuple[torch.Tensor, torch.Tensor]:
+def residual_rows(
+    x: torch.Tensor, x2: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(the residual's rows, ``s``) for a row kernel over ``x2``, ``x``'s (M, N) rows: ``s`` is
     allocated for the kernel to write ``x + residual`` into; without a residual, ``x``'s rows
     and an empty ``s``."""
@@ -340,7 +347,7 @@ def residual_rows(x, x2, residual) -> tuple[torch.Tensor, torch.Tensor]:
     return _rows(residual), torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def row_launch(M: int, N: int, residual) -> tuple[int, dict, int]:
+def row_launch(M: int, N: int, residual: torch.Tensor | None) -> tuple[int, dict, int]:
     """(grid, constexprs, num_warps) of a row kernel over (M, N) rows."""
     block_m, block_n, one_pass, num_warps = launch_config(M, N)
     constexprs = {
@@ -352,7 +359,9 @@ def row_launch(M: int, N: int, residual) -> tuple[int, dict, int]:
     return cdiv(M, block_m), constexprs, num_warps
 
 
-def _rms_norm_fwd(x, weight, eps, residual):
+def _rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_inputs("rms_norm_fwd", x, weight, eps, residual)
     if not x.is_cuda and not CPU_RUNS_TRITON:
         return _rms_norm_fwd_eager(x, weight, eps, residual)
@@ -367,14 +376,23 @@ def _rms_norm_fwd(x, weight, eps, residual):
     return y, s, rstd
 
 
-def _rms_norm_fwd_fake(x, weight, eps, residual):
+def _rms_norm_fwd_fake(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_inputs("rms_norm_fwd", x, weight, eps, residual)
     y = x.new_empty(x.shape, dtype=promoted_dtype(x.dtype, weight.dtype))
     s = x.new_empty(0) if residual is None else x.new_empty(x.shape)
     return y, s, x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
-def _check_bwd(op, grad_y, grad_s, x, weight, rstd) -> None:
+def _check_bwd(
+    op: str,
+    grad_y: torch.Tensor,
+    grad_s: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+) -> None:
     check_inputs(op, x, weight, 0.0, None)
     checks.tensor(op, "grad_y", grad_y, DTYPES)
     checks.same_shape(op, "grad_y", grad_y, "x", x)
@@ -392,7 +410,13 @@ def _check_bwd(op, grad_y, grad_s, x, weight, rstd) -> None:
         )
 
 
-def _rms_norm_bwd(grad_y, grad_s, x, weight, rstd):
+def _rms_norm_bwd(
+    grad_y: torch.Tensor,
+    grad_s: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if not (
         _valid(x, weight, 0.0, grad_s)
         and _valid(grad_y, weight, 0.0, None)
@@ -422,7 +446,13 @@ def _rms_norm_bwd(grad_y, grad_s, x, weight, rstd):
     return dx, partial.sum(0).to(weight.dtype)  # a fixed order of sums: deterministic
 
 
-def _rms_norm_bwd_fake(grad_y, grad_s, x, weight, rstd):
+def _rms_norm_bwd_fake(
+    grad_y: torch.Tensor,
+    grad_s: torch.Tensor | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _check_bwd("rms_norm_bwd", grad_y, grad_s, x, weight, rstd)
     return x.new_empty(x.shape), torch.empty_like(weight)
 
@@ -447,7 +477,7 @@ rms_norm_bwd = define_op(
 # --- autograd and the public functions -----------------------------------------------------------
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
     x, weight, _eps, residual = inputs
     _y, s, rstd = output
     ctx.has_residual = residual is not None
@@ -456,7 +486,9 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not zeros
 
 
-def _backward(ctx, grad_y, grad_s, _grad_rstd):
+def _backward(
+    ctx: Any, grad_y: torch.Tensor | None, grad_s: torch.Tensor | None, _grad_rstd: object
+) -> tuple[torch.Tensor | None, ...]:
     refuse_double_backward("rms_norm")
     x, weight, rstd = ctx.saved_tensors
     grad_s = grad_s if ctx.has_residual else None
@@ -473,7 +505,13 @@ class _RMSNormFunction(torch.autograd.Function):
     # forward takes ctx itself: with a separate setup_context, Function.apply binds every
     # call's arguments through inspect.signature (DECISIONS.md: host cost).
     @staticmethod
-    def forward(ctx, x, weight, eps, residual):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         output = call_below_autograd(rms_norm_fwd, x, weight, eps, residual)
         _setup_context(ctx, (x, weight, eps, residual), output)
         return output
@@ -485,6 +523,18 @@ class _RMSNormFunction(torch.autograd.Function):
 torch.library.register_autograd(rms_norm_fwd, _backward, setup_context=_setup_context)
 
 
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = ..., residual: None = None
+) -> torch.Tensor: ...
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = ..., *, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,

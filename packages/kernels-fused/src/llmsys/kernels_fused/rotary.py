@@ -27,6 +27,8 @@ Reading order: kernel -> launcher and checks -> registered ops and fakes -> auto
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -201,7 +203,14 @@ TILE_ELEMENTS = 2048
 NUM_WARPS = 2
 
 
-def check_inputs(op: str, names: tuple[str, str], q, k, cos, sin) -> None:
+def check_inputs(
+    op: str,
+    names: tuple[str, str],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless the four tensors fit.
 
     ``names`` are what the op calls ``q`` and ``k`` (``grad_q_out``, ``grad_k_out`` in the
@@ -253,7 +262,15 @@ def launch_config(n_q_heads: int, n_k_heads: int, head_dim: int) -> tuple[int, i
     )
 
 
-def _launch(q, k, cos, sin, q_out, k_out, backward: bool) -> None:
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    backward: bool,
+) -> None:
     batch, n_q_heads, seq_len, head_dim = q.shape
     n_k_heads = k.shape[1]
     cos_stride_b, *cos_strides = cos.stride()
@@ -296,7 +313,9 @@ def _launch(q, k, cos, sin, q_out, k_out, backward: bool) -> None:
     )
 
 
-def _rotate(q, k, cos, sin, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotate(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     # empty_like keeps a dense input's layout (HF's transposed q stays (B, S, H, D) in memory).
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if not q.is_cuda and not CPU_RUNS_TRITON:  # plain CPU: the eager reference
@@ -313,22 +332,30 @@ def _rotate(q, k, cos, sin, backward: bool) -> tuple[torch.Tensor, torch.Tensor]
 # --- registered ops and their fakes --------------------------------------------------------------
 
 
-def _rotary_fwd(q, k, cos, sin):
+def _rotary_fwd(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs("rotary_fwd", ("q", "k"), q, k, cos, sin)
     return _rotate(q, k, cos, sin, backward=False)
 
 
-def _rotary_bwd(grad_q_out, grad_k_out, cos, sin):
+def _rotary_bwd(
+    grad_q_out: torch.Tensor, grad_k_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs("rotary_bwd", ("grad_q_out", "grad_k_out"), grad_q_out, grad_k_out, cos, sin)
     return _rotate(grad_q_out, grad_k_out, cos, sin, backward=True)
 
 
-def _rotary_fwd_fake(q, k, cos, sin):
+def _rotary_fwd_fake(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs("rotary_fwd", ("q", "k"), q, k, cos, sin)
     return torch.empty_like(q), torch.empty_like(k)
 
 
-def _rotary_bwd_fake(grad_q_out, grad_k_out, cos, sin):
+def _rotary_bwd_fake(
+    grad_q_out: torch.Tensor, grad_k_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs("rotary_bwd", ("grad_q_out", "grad_k_out"), grad_q_out, grad_k_out, cos, sin)
     return torch.empty_like(grad_q_out), torch.empty_like(grad_k_out)
 
@@ -357,12 +384,14 @@ _NO_COS_SIN_GRAD = (
 )
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     _, _, cos, sin = inputs
     ctx.save_for_backward(cos, sin)
 
 
-def _backward(ctx, grad_q_out, grad_k_out):
+def _backward(
+    ctx: Any, grad_q_out: torch.Tensor, grad_k_out: torch.Tensor
+) -> tuple[torch.Tensor | None, ...]:
     refuse_double_backward("rotary")
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
         raise RuntimeError(f"rotary: {_NO_COS_SIN_GRAD}")
@@ -377,7 +406,9 @@ class _RotaryFunction(torch.autograd.Function):
     # forward takes ctx itself: with a separate setup_context, Function.apply binds every
     # call's arguments through inspect.signature (DECISIONS.md: host cost).
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         output = call_below_autograd(rotary_fwd, q, k, cos, sin)
         _setup_context(ctx, (q, k, cos, sin), output)
         return output

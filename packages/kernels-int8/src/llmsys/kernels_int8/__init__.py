@@ -9,6 +9,8 @@ Importing this package registers ``torch.ops.llmsys.int8_quantize_perrow``,
 ``torch.ops.llmsys.int8_silu_mul_quantize`` and ``torch.ops.llmsys.int8_rms_norm_quantize``.
 """
 
+from typing import Any
+
 from .functional import matmul_int8, matmul_quantize_int8, quantize_int8, quantize_int8_perrow
 from .kernels import perrow_w8a8_matmul_kernel, quantize_int8_perrow_kernel
 from .modules import Int8Linear, quantize_linears
@@ -50,7 +52,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Model surgery needs transformers and lives in llmsys-hf, which depends on this package:
     # imported only when asked for, so this package installs and imports without either.
     if name == "quantize_model":

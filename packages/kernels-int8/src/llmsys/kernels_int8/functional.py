@@ -4,6 +4,8 @@ ops' autograd, which is none: inference-only."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -16,18 +18,18 @@ from . import ops  # registers torch.ops.llmsys.int8_*
 # gets a plain Autograd kernel that refuses or runs below autograd.)
 
 
-def _no_grad_outputs(ctx, inputs, output):
+def _no_grad_outputs(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
     ctx.mark_non_differentiable(*output)
 
 
-def _refuse(name: str):
-    def setup_context(ctx, inputs, output):
+def _refuse(name: str) -> Callable[[Any, tuple, object], None]:
+    def setup_context(ctx: Any, inputs: tuple, output: object) -> None:
         raise ops.inference_only_error(f"torch.ops.llmsys.{name}")
 
     return setup_context
 
 
-def _no_backward(ctx, *grads):
+def _no_backward(ctx: Any, *grads: torch.Tensor) -> None:
     return None  # never runs: setup_context refused, or marked the outputs as needing no grad
 
 
@@ -40,7 +42,7 @@ torch.library.register_autograd(
 )
 
 
-def _matmul_out_autograd(*args):
+def _matmul_out_autograd(*args: Any) -> None:
     if wants_grad(*args):
         raise ops.inference_only_error("torch.ops.llmsys.int8_matmul_out")
     with torch._C._AutoDispatchBelowAutograd():
@@ -224,7 +226,13 @@ def matmul_quantize_int8(
         raise checks.as_called(error, "matmul_quantize_int8", x="fpa") from None
 
 
-def _matmul_quantize(rows, lead, b, b_scale, out) -> torch.Tensor:
+def _matmul_quantize(
+    rows: torch.Tensor,
+    lead: tuple[int, ...],
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
     """``matmul_quantize_int8`` past its own checks, on ``fpa`` as (M, K) ``rows``."""
     q, scale = quantize_int8_perrow(rows)  # (M, K), (M,)
     if out is None:

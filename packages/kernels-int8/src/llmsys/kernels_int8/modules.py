@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -53,13 +54,17 @@ class Int8Linear(nn.Module):
         ValueError: ``in_features`` or ``out_features`` is not a positive int.
     """
 
+    qweight: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         in_features: int,
         out_features: int,
         bias: bool = True,
         *,
-        device=None,
+        device: torch.types.Device = None,
         dtype: torch.dtype = torch.float16,
         check_finite: bool = False,
     ) -> None:
@@ -155,7 +160,7 @@ class Int8Linear(nn.Module):
         # that requires grad makes the op refuse, naming it. The buffers are read from
         # `_buffers` directly: nn.Module's attribute lookup costs about a microsecond each.
         try:
-            buffers = self._buffers
+            buffers: dict[str, Any] = self._buffers  # (qweight is never None)
             qweight, scale, bias = buffers["qweight"], buffers["weight_scale"], buffers["bias"]
         except KeyError:  # one replaced by a parameter or a parametrization: the full lookup
             qweight, scale, bias = self.qweight, self.weight_scale, self.bias
@@ -199,11 +204,12 @@ class Int8Linear(nn.Module):
 
 
 Include = str | Iterable[str] | Callable[[str, nn.Linear], bool] | None
+ModuleT = TypeVar("ModuleT", bound=nn.Module)  # quantize_linears returns the model it took
 
 
 def quantize_linears(
-    model: nn.Module, include: Include = None, *, check_finite: bool = False
-) -> nn.Module:
+    model: ModuleT, include: Include = None, *, check_finite: bool = False
+) -> ModuleT:
     """Swap ``nn.Linear`` layers of ``model`` in place for :class:`Int8Linear` (inference).
 
     Args:

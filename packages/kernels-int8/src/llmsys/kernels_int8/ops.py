@@ -18,6 +18,7 @@ activations (functional.py, modules.py) raise themselves.
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 
 import torch
 
@@ -50,18 +51,27 @@ CPU_RUNS_TRITON = runs_under_interpreter(quantize_int8_perrow_kernel)
 # --- checks --------------------------------------------------------------------------------------
 
 
-def _check_tensor(op: str, name: str, t, dtypes, dim: int, shape_doc: str) -> None:
+def _check_tensor(
+    op: str, name: str, t: torch.Tensor, dtypes: Collection[torch.dtype], dim: int, shape_doc: str
+) -> None:
     checks.tensor(op, name, t, dtypes)
     if t.dim() != dim:
         raise ValueError(f"{op}: `{name}` must be {dim}-D {shape_doc}, got shape {tuple(t.shape)}")
 
 
-def check_quantize_input(x) -> None:
+def check_quantize_input(x: torch.Tensor) -> None:
     """Raise ``TypeError``/``ValueError`` naming ``x`` unless it is a 2-D float tensor."""
     _check_tensor("int8_quantize_perrow", "x", x, FLOAT_DTYPES, 2, "(M, K); reshape(-1, K) first")
 
 
-def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
+def check_matmul_inputs(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad argument of the GEMM."""
     op = "int8_matmul"
     _check_tensor(op, "a", a, (torch.int8,), 2, "(M, K)")
@@ -91,7 +101,9 @@ def check_matmul_inputs(a, a_scale, b, b_scale, bias, out=None) -> None:
         checks.same_device(op, name, t, "a", a)
 
 
-def check_matmul_quantize_inputs(x, b, b_scale, bias) -> None:
+def check_matmul_quantize_inputs(
+    x: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None
+) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad argument of the quantizing GEMM."""
     op = "int8_matmul_quantize"
     _check_tensor(op, "x", x, FLOAT_DTYPES, 2, "(M, K); reshape(-1, K) first")
@@ -190,7 +202,9 @@ def _aligned(t: torch.Tensor, row_stride: int) -> bool:
     return t.data_ptr() % 16 == 0 and (row_stride * t.element_size()) % 16 == 0
 
 
-def tma_applies(config: tuning.MatmulConfig, a, b, out) -> bool:
+def tma_applies(
+    config: tuning.MatmulConfig, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor
+) -> bool:
     """Whether ``config`` can run on these operands: TMA configs need Hopper (or the
     interpreter), row-major ``a`` and column-major ``b`` with 16-byte aligned rows (K a
     multiple of 16), an int32-exact K, and for ``tma_store`` a row-major, aligned ``out``."""
@@ -218,7 +232,15 @@ def split_k_ranges(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return cdiv(max(k, 1), per_split), per_split
 
 
-def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out) -> None:
+def launch_matmul(
+    config: tuning.MatmulConfig,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
     """Run the GEMM with one configuration into ``out`` (M, N): ``(a @ b) * a_scale[:, None] *
     b_scale (+ bias)``. Inputs already checked, scales and bias contiguous, and
     ``tma_applies(config, a, b, out)``."""
@@ -239,8 +261,8 @@ def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out
         b_desc = TensorDescriptor.from_tensor(b.t(), [config.block_n, config.block_k])  # (N, K)
         c_block = [config.block_m, config.block_n // 2]
         c_desc = TensorDescriptor.from_tensor(out, c_block) if config.tma_store else a_desc
-        sizes = (m, n, k, grid, out.stride(0), out.stride(1))
-        args = (a_desc, b_desc, c_desc, out, a_scale, b_scale, bias_arg, *sizes)
+        sizes: tuple[int, ...] = (m, n, k, grid, out.stride(0), out.stride(1))
+        args: tuple = (a_desc, b_desc, c_desc, out, a_scale, b_scale, bias_arg, *sizes)
         constexprs = blocks | {
             "HAS_BIAS": bias is not None,
             "TMA_STORE": config.tma_store,
@@ -272,7 +294,14 @@ def launch_matmul(config: tuning.MatmulConfig, a, a_scale, b, b_scale, bias, out
         )  # fmt: skip
 
 
-def _matmul_into(a, a_scale, b, b_scale, bias, out) -> None:
+def _matmul_into(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
     """The GEMM into ``out``, with the tuner's configuration for this product."""
     (m, k), n = a.shape, b.shape[1]
     if m == 0 or n == 0:
@@ -298,7 +327,13 @@ def _matmul_into(a, a_scale, b, b_scale, bias, out) -> None:
     launch_matmul(config, a, a_scale, b, b_scale, bias, out)
 
 
-def matmul(a, a_scale, b, b_scale, bias=None) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The GEMM's implementation (CPU and CUDA kernels of ``int8_matmul``)."""
     check_matmul_inputs(a, a_scale, b, b_scale, bias)
     out = a.new_empty((a.shape[0], b.shape[1]), dtype=a_scale.dtype)
@@ -306,13 +341,22 @@ def matmul(a, a_scale, b, b_scale, bias=None) -> torch.Tensor:
     return out
 
 
-def matmul_out(a, a_scale, b, b_scale, bias, out) -> None:
+def matmul_out(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
     """The implementation of ``int8_matmul_out``."""
     check_matmul_inputs(a, a_scale, b, b_scale, bias, out)
     _matmul_into(a, a_scale, b, b_scale, bias, out)
 
 
-def matmul_quantize(x, b, b_scale, bias=None) -> torch.Tensor:
+def matmul_quantize(
+    x: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The implementation of ``int8_matmul_quantize``: the quantizer, then the GEMM, behind one
     op call (one trip below autograd, or through the dispatcher, instead of two).
 
@@ -329,22 +373,37 @@ def matmul_quantize(x, b, b_scale, bias=None) -> torch.Tensor:
 # --- registration --------------------------------------------------------------------------------
 
 
-def _quantize_fake(x):
+def _quantize_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_quantize_input(x)
     q = x.new_empty(x.shape, dtype=torch.int8)
     return q, x.new_empty(x.shape[:1])
 
 
-def _matmul_fake(a, a_scale, b, b_scale, bias=None):
+def _matmul_fake(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     check_matmul_inputs(a, a_scale, b, b_scale, bias)
     return a.new_empty((a.shape[0], b.shape[1]), dtype=a_scale.dtype)
 
 
-def _matmul_out_fake(a, a_scale, b, b_scale, bias, out):
+def _matmul_out_fake(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
     check_matmul_inputs(a, a_scale, b, b_scale, bias, out)
 
 
-def _matmul_quantize_fake(x, b, b_scale, bias=None):
+def _matmul_quantize_fake(
+    x: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     check_matmul_quantize_inputs(x, b, b_scale, bias)
     return x.new_empty((x.shape[0], b.shape[1]))
 

@@ -145,12 +145,12 @@ def rms_norm_quantize_int8_reference(
         sum ``x + residual`` in ``x``'s shape.
     """
     out = rms_norm_reference(x, weight, eps, residual)
-    y, rest = (out, ()) if residual is None else (out[0], out[1:])
+    y, rest = (out, ()) if isinstance(out, torch.Tensor) else (out[0], out[1:])
     q, scale = quantize_int8_perrow_reference(y.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
     return (q, scale, *rest)
 
 
-def _w8a8_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _w8a8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     q, scale = quantize_int8_perrow_reference(x.reshape(-1, x.shape[-1]))  # (M, K), (M,)
     q_w, scale_w = quantize_int8_perrow_reference(self.weight)  # per output channel: (N, K), (N,)
     out = matmul_int8_reference(q, scale, q_w.t(), scale_w, self.bias)  # (M, N)
@@ -173,5 +173,6 @@ def w8a8_reference_model(model: torch.nn.Module) -> torch.nn.Module:
     reference = copy.deepcopy(model).float()
     for module in reference.modules():
         if type(module) is torch.nn.Linear:
-            module.forward = MethodType(_w8a8_linear_forward, module)
+            # an instance's forward replaced on purpose: this copy's layers compute the scheme
+            module.forward = MethodType(_w8a8_linear_forward, module)  # type: ignore[method-assign]
     return reference

@@ -109,12 +109,14 @@ def rms_norm_quantize_int8_kernel(
 # --- launcher and registration -------------------------------------------------------------------
 
 
-def rms_norm_quantize(x, weight, eps, residual):
+def rms_norm_quantize(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's implementation (CPU and CUDA): check, allocate, launch."""
     check_inputs("int8_rms_norm_quantize", x, weight, eps, residual)
     if not x.is_cuda and not CPU_RUNS_TRITON:
-        q, scale, *s = rms_norm_quantize_int8_reference(x, weight, eps, residual)
-        return q, scale, s[0].contiguous() if s else x.new_empty(0)
+        q, scale, *summed = rms_norm_quantize_int8_reference(x, weight, eps, residual)
+        return q, scale, summed[0].contiguous() if summed else x.new_empty(0)
     x2, weight = _rows(x), weight.contiguous()  # (M, N), (N,): the kernel reads w densely
     M, N = x2.shape
     q = torch.empty((M, N), dtype=torch.int8, device=x.device)
@@ -127,7 +129,9 @@ def rms_norm_quantize(x, weight, eps, residual):
     return q, scale, s
 
 
-def _rms_norm_quantize_fake(x, weight, eps, residual):
+def _rms_norm_quantize_fake(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_inputs("int8_rms_norm_quantize", x, weight, eps, residual)
     M = math.prod(x.shape[:-1])
     q = x.new_empty((M, x.shape[-1]), dtype=torch.int8)

@@ -13,6 +13,7 @@ hidden rows never reach memory in float. The spec is
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -132,7 +133,7 @@ def launch_config(n: int) -> tuple[int, bool, int]:
     return config.block_k, config.one_pass, config.num_warps
 
 
-def check_inputs(op: str, gate, up) -> None:
+def check_inputs(op: str, gate: torch.Tensor, up: torch.Tensor) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument unless ``gate`` and ``up`` are
     float tensors of one dtype, shape and device, with at least one dimension."""
     checks.tensor(op, "gate", gate, FLOAT_DTYPES)
@@ -180,16 +181,18 @@ def silu_mul_quantize(
 # --- registration --------------------------------------------------------------------------------
 
 
-def _silu_mul_quantize_fake(gate, up):
+def _silu_mul_quantize_fake(
+    gate: torch.Tensor, up: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs("int8_silu_mul_quantize", gate, up)
     return gate.new_empty(gate.shape, dtype=torch.int8), gate.new_empty(gate.shape[:1])
 
 
-def _no_grad_outputs(ctx, inputs, output):
+def _no_grad_outputs(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
     ctx.mark_non_differentiable(*output)
 
 
-def _no_backward(ctx, *grads):
+def _no_backward(ctx: Any, *grads: torch.Tensor) -> None:
     return None  # never runs: the outputs need no gradient
 
 

@@ -174,23 +174,23 @@ def tuned(
     best = _best.get(key)
     if best is not None:
         return best
-    candidates = candidates()
-    if not candidates:
+    configs = candidates()
+    if not configs:
         raise ValueError(f"no GEMM configuration applies to {key}")
     if device.type != "cuda" or not AUTOTUNE or torch.cuda.is_current_stream_capturing():
-        return candidates[0]
+        return configs[0]
     from triton.testing import do_bench
 
-    timings = {}
+    timings: dict[MatmulConfig, float] = {}
     with torch.cuda.device(device):  # do_bench's events time the current device
-        for config in candidates:
+        for config in configs:
             try:
                 timings[config] = do_bench(lambda config=config: launch(config), warmup=5, rep=20)
             except triton.runtime.errors.OutOfResources:
                 continue  # too much shared memory for this GPU: not a candidate here
             except Exception as error:  # a compiler failure must not take the call down with it
                 warnings.warn(f"llmsys int8 GEMM: skipping {config}: {error!r}", stacklevel=3)
-    best = min(timings, key=timings.get) if timings else candidates[0]
+    best = min(timings, key=timings.__getitem__) if timings else configs[0]
     _best[key] = best
     if TUNE_LOG:
         listed = ", ".join(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from llmsys.triton_launch import call_below_autograd, checks, refuse_double_backward, wants_grad
@@ -11,7 +13,15 @@ from . import ops  # registers torch.ops.llmsys.moe_*
 
 class _PermuteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, top_experts, tokens_per_expert, num_experts, align, out_rows):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        top_experts: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        num_experts: int,
+        align: int,
+        out_rows: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out, padded, row_index = call_below_autograd(
             ops.moe_permute, x, top_experts, tokens_per_expert, num_experts, align, out_rows
         )
@@ -20,7 +30,9 @@ class _PermuteFunction(torch.autograd.Function):
         return out, padded, row_index
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_padded, _grad_row_index):
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, _grad_padded: object, _grad_row_index: object
+    ) -> tuple[torch.Tensor | None, ...]:
         # Each token was copied to its topk rows: its gradient is the sum of theirs.
         refuse_double_backward("padded_moe_permute")
         (row_index,) = ctx.saved_tensors
@@ -30,12 +42,17 @@ class _PermuteFunction(torch.autograd.Function):
 
 class _UnpermuteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, expert_out, row_index, routing_weights):
+    def forward(
+        ctx: Any,
+        expert_out: torch.Tensor,
+        row_index: torch.Tensor,
+        routing_weights: torch.Tensor | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(expert_out, row_index, routing_weights)
         return call_below_autograd(ops.moe_unpermute, expert_out, row_index, routing_weights)
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         refuse_double_backward("moe_unpermute")
         expert_out, row_index, routing_weights = ctx.saved_tensors
         weights_grad = ctx.needs_input_grad[2]
@@ -45,7 +62,15 @@ class _UnpermuteFunction(torch.autograd.Function):
         return grad_src, None, grad_weights if weights_grad else None
 
 
-def _check_permute_arguments(x, top_experts, tokens_per_expert, topk, num_experts, align, out_rows):
+def _check_permute_arguments(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    topk: int,
+    num_experts: int,
+    align: int,
+    out_rows: int | None,
+) -> None:
     """What the dispatcher would reject before the op could name the argument (non-tensors,
     non-int sizes), and ``topk``, which the op does not take. The tensors' dtypes, shapes and
     devices are checked once, in the op (``ops.check_permute_inputs``, which repeats the int
@@ -76,7 +101,7 @@ def padded_moe_permute(
     align: int = 128,
     out_rows: int | None = None,
     return_row_index: bool = False,
-):
+) -> tuple[torch.Tensor, ...]:
     """Group token rows by expert, each expert's group padded with zero rows to ``align`` rows.
 
     Pair ``(t, k)`` (token ``t``'s ``k``-th choice) goes to expert ``top_experts[t, k]``. The

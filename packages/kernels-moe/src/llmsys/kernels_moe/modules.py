@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,8 +45,8 @@ class MoEFeedForward(nn.Module):
         topk: int,
         *,
         align: int = 128,
-        device=None,
-        dtype=None,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -62,7 +63,7 @@ class MoEFeedForward(nn.Module):
             )
         self.d_model, self.d_ff = d_model, d_ff
         self.num_experts, self.topk, self.align = num_experts, topk, align
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.router = nn.Linear(d_model, num_experts, bias=False, **factory)
         self.w1 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, **factory))  # gate
         self.w3 = nn.Parameter(torch.empty(num_experts, d_ff, d_model, **factory))  # up

@@ -11,6 +11,8 @@ waits on the host and nothing data-dependent is checked (see ``padded_moe_permut
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton.language as tl
 
@@ -45,18 +47,27 @@ CPU_RUNS_TRITON = runs_under_interpreter(moe_permute_kernel)
 # --- checks --------------------------------------------------------------------------------------
 
 
-def _tensor(op: str, name: str, t, dtypes: tuple, kind: str, dim: int) -> None:
+def _tensor(op: str, name: str, t: torch.Tensor, dtypes: tuple, kind: str, dim: int) -> None:
     checks.tensor(op, name, t, dtypes, kind)
     if t.dim() != dim:
         raise ValueError(f"{op}: `{name}` must have {dim} dimension(s), got shape {tuple(t.shape)}")
 
 
-def _same_device(op: str, first: tuple[str, torch.Tensor], *others) -> None:
+def _same_device(
+    op: str, first: tuple[str, torch.Tensor], *others: tuple[str, torch.Tensor | None]
+) -> None:
     for name, t in others:
         checks.same_device(op, name, t, *first)
 
 
-def check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, out_rows) -> None:
+def check_permute_inputs(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    num_experts: int,
+    align: int,
+    out_rows: int | None,
+) -> None:
     """Everything about the permute's arguments that the host knows without a sync."""
     op = "padded_moe_permute"
     _tensor(op, "x", x, FLOAT_DTYPES, "a floating", 2)
@@ -93,7 +104,9 @@ def check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, 
         raise ValueError(f"{op}: num_tokens * topk must fit int32, got {n_pairs}")
 
 
-def check_routing_values(top_experts, tokens_per_expert, num_experts) -> None:
+def check_routing_values(
+    top_experts: torch.Tensor, tokens_per_expert: torch.Tensor, num_experts: int
+) -> None:
     """The data checks: ids in range, counts equal to the ids' histogram (one host sync)."""
     op = "padded_moe_permute"
     flat = top_experts.reshape(-1).long()
@@ -116,7 +129,9 @@ def check_routing_values(top_experts, tokens_per_expert, num_experts) -> None:
         )
 
 
-def check_unpermute_inputs(expert_out, row_index, routing_weights) -> None:
+def check_unpermute_inputs(
+    expert_out: torch.Tensor, row_index: torch.Tensor, routing_weights: torch.Tensor | None
+) -> None:
     op = "moe_unpermute"
     _tensor(op, "expert_out", expert_out, FLOAT_DTYPES, "a floating", 2)
     _tensor(op, "row_index", row_index, INT_DTYPES, "an integer", 2)
@@ -138,7 +153,14 @@ def check_unpermute_inputs(expert_out, row_index, routing_weights) -> None:
 # --- moe_permute ---------------------------------------------------------------------------------
 
 
-def _route(top_experts, tokens_per_expert, num_experts, align, padded, cfg: RouteConfig):
+def _route(
+    top_experts: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    num_experts: int,
+    align: int,
+    padded: torch.Tensor,
+    cfg: RouteConfig,
+) -> tuple[torch.Tensor, ...]:
     """Launch the routing passes; returns (row_index, base, rank, start, limit, status) views.
 
     One int32 allocation holds them all (each torch.empty costs microseconds of host time);
@@ -184,7 +206,14 @@ def _route(top_experts, tokens_per_expert, num_experts, align, padded, cfg: Rout
     )
 
 
-def permute(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=None):
+def permute(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    num_experts: int,
+    align: int = 128,
+    out_rows: int | None = None,
+) -> tuple[torch.Tensor, ...]:
     """The permute after ``check_permute_inputs``."""
     if not x.is_cuda and not CPU_RUNS_TRITON:
         check_routing_values(top_experts, tokens_per_expert, num_experts)
@@ -232,16 +261,29 @@ def permute(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=
     return out, padded, row_index
 
 
-def _moe_permute(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=None):
+def _moe_permute(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    num_experts: int,
+    align: int = 128,
+    out_rows: int | None = None,
+) -> tuple[torch.Tensor, ...]:
     check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, out_rows)
     return permute(x, top_experts, tokens_per_expert, num_experts, align, out_rows)
 
 
-def _moe_permute_fake(x, top_experts, tokens_per_expert, num_experts, align=128, out_rows=None):
+def _moe_permute_fake(
+    x: torch.Tensor,
+    top_experts: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    num_experts: int,
+    align: int = 128,
+    out_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_permute_inputs(x, top_experts, tokens_per_expert, num_experts, align, out_rows)
-    if out_rows is None:
-        out_rows = torch.library.get_ctx().new_dynamic_size()
-    out = x.new_empty((out_rows, x.shape[1]))
+    rows = torch.library.get_ctx().new_dynamic_size() if out_rows is None else out_rows
+    out = x.new_empty((rows, x.shape[1]))
     row_index = x.new_empty(top_experts.shape, dtype=torch.int32)
     return out, torch.empty_like(tokens_per_expert), row_index
 
@@ -249,11 +291,13 @@ def _moe_permute_fake(x, top_experts, tokens_per_expert, num_experts, align=128,
 # --- moe_unpermute -------------------------------------------------------------------------------
 
 
-def _compute_dtype(dtype: torch.dtype):
+def _compute_dtype(dtype: torch.dtype) -> Any:
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def unpermute(expert_out, row_index, routing_weights=None):
+def unpermute(
+    expert_out: torch.Tensor, row_index: torch.Tensor, routing_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """The unpermute after ``check_unpermute_inputs``."""
     if not expert_out.is_cuda and not CPU_RUNS_TRITON:
         return moe_unpermute_reference(expert_out, row_index, routing_weights)
@@ -265,7 +309,7 @@ def unpermute(expert_out, row_index, routing_weights=None):
     if hidden == 0:
         return out
     has_weights = routing_weights is not None
-    weights = routing_weights.contiguous() if has_weights else row_index
+    weights = routing_weights.contiguous() if routing_weights is not None else row_index
     block_h, num_warps = copy_config(hidden, expert_out.element_size())
     launch(
         moe_unpermute_kernel,
@@ -291,26 +335,38 @@ def unpermute(expert_out, row_index, routing_weights=None):
     return out
 
 
-def _moe_unpermute(expert_out, row_index, routing_weights=None):
+def _moe_unpermute(
+    expert_out: torch.Tensor, row_index: torch.Tensor, routing_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     check_unpermute_inputs(expert_out, row_index, routing_weights)
     return unpermute(expert_out, row_index, routing_weights)
 
 
-def _moe_unpermute_fake(expert_out, row_index, routing_weights=None):
+def _moe_unpermute_fake(
+    expert_out: torch.Tensor, row_index: torch.Tensor, routing_weights: torch.Tensor | None = None
+) -> torch.Tensor:
     check_unpermute_inputs(expert_out, row_index, routing_weights)
     return expert_out.new_empty((row_index.shape[0], expert_out.shape[1]))
 
 
-def _moe_unpermute_backward(grad_y, expert_out, row_index, routing_weights, weights_grad):
+def _moe_unpermute_backward(
+    grad_y: torch.Tensor,
+    expert_out: torch.Tensor,
+    row_index: torch.Tensor,
+    routing_weights: torch.Tensor | None,
+    weights_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad of expert_out, grad of routing_weights or an empty tensor)."""
     if not expert_out.is_cuda and not CPU_RUNS_TRITON:
         with torch.enable_grad():
             src = expert_out.detach().requires_grad_()
             weights = routing_weights
+            leaves: tuple[torch.Tensor, ...] = (src,)
             if weights_grad:
+                assert routing_weights is not None  # (autograd asks only for given weights)
                 weights = routing_weights.detach().requires_grad_()
+                leaves = (src, weights)
             y = moe_unpermute_reference(src, row_index, weights)
-            leaves = (src, weights) if weights_grad else (src,)
             grads = torch.autograd.grad(y, leaves, grad_y)
         return grads[0], grads[1] if weights_grad else grad_y.new_empty(0)
     num_tokens, topk = row_index.shape
@@ -320,9 +376,10 @@ def _moe_unpermute_backward(grad_y, expert_out, row_index, routing_weights, weig
     expert_out = expert_out if expert_out.stride(-1) == 1 else expert_out.contiguous()
     row_index = row_index.contiguous()
     has_weights = routing_weights is not None
-    weights = routing_weights.contiguous() if has_weights else row_index
+    weights = routing_weights.contiguous() if routing_weights is not None else row_index
     grad_src = torch.empty((src_rows, hidden), dtype=expert_out.dtype, device=device)
     if weights_grad:
+        assert routing_weights is not None  # (autograd asks only for given weights)
         grad_weights = torch.empty((num_tokens, topk), dtype=routing_weights.dtype, device=device)
     else:
         grad_weights = grad_y.new_empty(0)
@@ -368,9 +425,16 @@ def _moe_unpermute_backward(grad_y, expert_out, row_index, routing_weights, weig
     return grad_src, grad_weights
 
 
-def _moe_unpermute_backward_fake(grad_y, expert_out, row_index, routing_weights, weights_grad):
+def _moe_unpermute_backward_fake(
+    grad_y: torch.Tensor,
+    expert_out: torch.Tensor,
+    row_index: torch.Tensor,
+    routing_weights: torch.Tensor | None,
+    weights_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     grad_src = torch.empty_like(expert_out, memory_format=torch.contiguous_format)
     if weights_grad:
+        assert routing_weights is not None  # (autograd asks only for given weights)
         return grad_src, torch.empty_like(routing_weights, memory_format=torch.contiguous_format)
     return grad_src, grad_y.new_empty(0)
 

@@ -24,7 +24,7 @@ def padded_moe_permute_reference(
     align: int = 128,
     out_rows: int | None = None,
     return_row_index: bool = False,
-):
+) -> tuple[torch.Tensor, ...]:
     """Group the rows of ``x`` by expert, each expert's group padded with zero rows to ``align``.
 
     Same arguments and results as :func:`llmsys.kernels_moe.padded_moe_permute`; see there.
@@ -43,7 +43,7 @@ def padded_moe_permute_reference(
     n_rows = int(padded.sum()) if out_rows is None else out_rows
     out = x.new_zeros(n_rows, hidden)
     out.index_copy_(0, rows, x.index_select(0, order // topk))  # (n_rows, hidden)
-    result = (out, padded.to(tokens_per_expert.dtype))
+    result: tuple[torch.Tensor, ...] = (out, padded.to(tokens_per_expert.dtype))
     if return_row_index:
         row_index = torch.empty_like(rows).index_copy_(0, order, rows)  # (N,)
         result += (row_index.view(num_tokens, topk).to(torch.int32),)

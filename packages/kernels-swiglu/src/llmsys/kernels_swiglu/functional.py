@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from llmsys.triton_launch import call_below_autograd, checks, refuse_double_backward, wants_grad
@@ -9,11 +11,11 @@ from llmsys.triton_launch import call_below_autograd, checks, refuse_double_back
 from . import ops  # registers torch.ops.llm_scaling_week.*
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
     ctx.save_for_backward(*inputs)
 
 
-def _backward(ctx, grad_out):
+def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     refuse_double_backward("swiglu")
     a, b = ctx.saved_tensors
     return call_below_autograd(ops.swiglu_bwd, grad_out, a, b)
@@ -25,7 +27,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     # forward takes ctx itself: with a separate setup_context, Function.apply binds every
     # call's arguments through inspect.signature (tens of microseconds of host time a call).
     @staticmethod
-    def forward(ctx, a, b):
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         out = call_below_autograd(ops.swiglu_fwd, a, b)
         _setup_context(ctx, (a, b), out)
         return out

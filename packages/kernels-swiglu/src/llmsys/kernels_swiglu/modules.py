@@ -21,7 +21,14 @@ class SwiGLUFeedForward(nn.Module):
     Shapes: ``x`` (..., d_model) -> (..., d_model).
     """
 
-    def __init__(self, d_model: int, d_ff: int, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_ff", d_ff)):
             checks.positive_int("SwiGLUFeedForward", name, value)

@@ -9,6 +9,8 @@ Registered and launched the way every llmsys kernel package does it (``llmsys.tr
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton.language as tl
 
@@ -56,7 +58,7 @@ def launch_config(n_elements: int) -> tuple[int, int]:
     return 512, 4
 
 
-def _launch(kernel, tensors: tuple[torch.Tensor, ...]) -> None:
+def _launch(kernel: Any, tensors: tuple[torch.Tensor, ...]) -> None:
     """Launch an elementwise ``kernel`` over ``tensors`` (contiguous, the first one's size)."""
     first = tensors[0]
     n = first.numel()
@@ -98,7 +100,9 @@ def _swiglu_fwd_fake(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(a, memory_format=torch.contiguous_format)
 
 
-def _swiglu_bwd_fake(grad_out, a, b):
+def _swiglu_bwd_fake(
+    grad_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     check_inputs("swiglu_bwd", a=a, b=b, grad_out=grad_out)
     empty = torch.empty_like(a, memory_format=torch.contiguous_format)
     return empty, torch.empty_like(empty)

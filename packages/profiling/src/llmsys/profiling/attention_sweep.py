@@ -30,6 +30,7 @@ Writes ``attention.png`` (time vs seq, log-log, one panel per d) when matplotlib
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import math
@@ -38,6 +39,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,12 +54,15 @@ from .training import free_device_memory, is_out_of_memory, synchronize
 HELP = "time causal attention (naive, compiled, SDPA, FlashAttention-2) over head dim x seq len"
 IMPLS = ("naive", "compiled", "sdpa", "flash")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-GPU_DEFAULTS = {"head_dim": [16, 32, 64, 128], "seq_len": [256, 1024, 4096, 8192, 16384]}
+GPU_DEFAULTS: dict[str, Any] = {
+    "head_dim": [16, 32, 64, 128],
+    "seq_len": [256, 1024, 4096, 8192, 16384],
+}
 GPU_DEFAULTS["passes"] = 100
-CPU_DEFAULTS = {"head_dim": [16], "seq_len": [16, 32], "passes": 2}
+CPU_DEFAULTS: dict[str, Any] = {"head_dim": [16], "seq_len": [16, 32], "passes": 2}
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=8, help="batch")
     parser.add_argument(
         "--head-dim",
@@ -83,7 +88,7 @@ def add_arguments(parser) -> None:
     )
 
 
-def resolve_defaults(args) -> tuple[list[int], list[int], int]:
+def resolve_defaults(args: argparse.Namespace) -> tuple[list[int], list[int], int]:
     """(head dims, seq lens, passes): the user's values, else the defaults for the device."""
     defaults = CPU_DEFAULTS if torch.device(args.device).type == "cpu" else GPU_DEFAULTS
     return (
@@ -116,7 +121,7 @@ def causal_flops(batch: int, seq: int, d: int, mode: str) -> float:
     return forward if mode == "forward" else 2.5 * forward
 
 
-def peak_flops(impl: str, dtype: str, device) -> tuple[float | None, str]:
+def peak_flops(impl: str, dtype: str, device: torch.device | str) -> tuple[float | None, str]:
     """(dense matmul peak FLOP/s of the precision ``impl`` multiplies in, its description);
     None off CUDA. In fp32, ``flash`` runs its dots in TF32 whatever PyTorch's setting."""
     precision = accounting.matmul_precision(dtype, always_tf32=impl == "flash")
@@ -125,14 +130,20 @@ def peak_flops(impl: str, dtype: str, device) -> tuple[float | None, str]:
     return accounting.peak_flops(results.device_name(device), precision)
 
 
-def _time_calls(call: Callable, passes: int, device, prepare: Callable | None = None):
+def _time_calls(
+    call: Callable[[Any], object],
+    passes: int,
+    device: torch.device | str,
+    prepare: Callable[[], Any] | None = None,
+) -> list[float]:
     """Milliseconds of each of ``passes`` runs of ``call(prepare())``; ``prepare`` is untimed.
 
     The device is synchronized before each call, so the time is the call's alone: CUDA events
     around it (its launches and kernels), or the wall clock on CPU.
     """
     cuda = torch.device(device).type == "cuda"
-    times, events = [], []
+    times: list[float] = []
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     for _ in range(passes):
         arg = prepare() if prepare else None
         synchronize(device)
@@ -143,21 +154,28 @@ def _time_calls(call: Callable, passes: int, device, prepare: Callable | None = 
             end.record()
             events.append((begin, end))
         else:
-            begin = time.perf_counter()
+            start = time.perf_counter()
             call(arg)
-            times.append((time.perf_counter() - begin) * 1e3)
+            times.append((time.perf_counter() - start) * 1e3)
     synchronize(device)
     return times + [begin.elapsed_time(end) for begin, end in events]
 
 
-def measure(impl: str, shape: tuple[int, ...], dtype, device, passes: int, warmup: int) -> dict:
+def measure(
+    impl: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    passes: int,
+    warmup: int,
+) -> dict[str, Any]:
     """Forward and backward ms samples and memory before backward (GiB) of one case.
 
     ``shape`` is (B, 1, N, d). A phase that runs out of memory leaves its entry None (an OOM in
     the forward skips the backward); other errors propagate.
     """
     fn = attention_impl(impl)
-    measured = {"forward": None, "backward": None, "memory_gib": None}
+    measured: dict[str, Any] = {"forward": None, "backward": None, "memory_gib": None}
     try:
         q, k, v = (
             torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
@@ -185,13 +203,21 @@ def measure(impl: str, shape: tuple[int, ...], dtype, device, passes: int, warmu
     return measured
 
 
-def case_rows(impl, batch, seq, d, args, passes, measured) -> list[results.Row]:
+def case_rows(
+    impl: str,
+    batch: int,
+    seq: int,
+    d: int,
+    args: argparse.Namespace,
+    passes: int,
+    measured: dict[str, Any],
+) -> list[results.Row]:
     """A forward and a backward row of one (impl, d, seq); NaN times and config OOM if none."""
     gpu, stamp = results.device_name(args.device), results.timestamp()
     peak, precision = peak_flops(impl, args.dtype, args.device)
     rows = []
     for mode in ("forward", "backward"):
-        common = dict(
+        common: dict[str, Any] = dict(
             kernel="attention", provider=impl, mode=mode, x=f"d={d} seq={seq}", dtype=args.dtype,
             gpu=gpu, version=f"torch {torch.__version__}", timestamp=stamp,
         )  # fmt: skip
@@ -230,8 +256,10 @@ def plot(rows: list[results.Row], path: str | Path) -> Path:
     """Forward (solid) and backward (dashed) ms vs seq len per impl, log-log, a panel per d."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, renders with Agg
 
-    def case(row):  # "d=16 seq=256" -> (16, 256)
-        d, seq = re.match(r"d=(\d+) seq=(\d+)", row.x).groups()
+    def case(row: results.Row) -> tuple[int, int]:  # "d=16 seq=256" -> (16, 256)
+        match = re.match(r"d=(\d+) seq=(\d+)", row.x)
+        assert match is not None  # (every attention row's x)
+        d, seq = match.groups()
         return int(d), int(seq)
 
     timed = [r for r in rows if r.kernel == "attention" and not math.isnan(r.p50)]
@@ -266,7 +294,7 @@ def case_label(case: tuple[int, int, str]) -> str:
     return f"{impl} d={d} seq={seq}"
 
 
-def run(args) -> list[results.Row]:
+def run(args: argparse.Namespace) -> list[results.Row]:
     head_dims, seq_lens, passes = resolve_defaults(args)
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)

@@ -20,6 +20,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -38,7 +39,7 @@ SUBCOMMANDS = {
 }
 
 
-def subcommand(name: str):
+def subcommand(name: str) -> ModuleType:
     """The module that implements subcommand ``name``."""
     return importlib.import_module(f"{__package__}.{SUBCOMMANDS[name]}")
 

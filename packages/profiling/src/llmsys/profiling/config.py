@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 # d_model, d_ff, num_layers, num_heads of the named sizes (the assignment's table, and "tiny"
 # for smoke runs on a CPU).
@@ -124,7 +125,7 @@ class ModelConfig:
         return self.d_model // self.num_heads
 
     @classmethod
-    def named(cls, size: str, **overrides) -> ModelConfig:
+    def named(cls, size: str, **overrides: Any) -> ModelConfig:
         """The config of a named size (a key of ``SIZES``: ``tiny``, ``small``, ``medium``,
         ``large``, ``xl``, ``2.7B``), with any field overridden:
         ``ModelConfig.named("xl", attention="flash")``.
@@ -141,5 +142,5 @@ class ModelConfig:
         sizes = dict(d_model=d_model, d_ff=d_ff, num_layers=num_layers, num_heads=num_heads)
         return cls(**(sizes | overrides))
 
-    def replace(self, **changes) -> ModelConfig:
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)

@@ -16,9 +16,12 @@ warm-up effect: the first steps pay for CUDA context setup, cuBLAS heuristics, T
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.profiler import record_function
@@ -50,7 +53,7 @@ PHASES = {"forward": ("forward",), "forward-backward": ("forward", "backward")}
 PHASES["train-step"] = ("forward", "backward", "optimizer")
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument(
         "--mode",
@@ -68,7 +71,15 @@ def add_arguments(parser) -> None:
 class Runner:
     """One model, its optimizer and a batch, stepped phase by phase with synchronization."""
 
-    def __init__(self, variant: Variant, size: str, context: int, batch: int, mode: str, device):
+    def __init__(
+        self,
+        variant: Variant,
+        size: str,
+        context: int,
+        batch: int,
+        mode: str,
+        device: torch.device | str,
+    ) -> None:
         if variant.int8 and mode != "forward":
             raise ValueError("e2e: int8 linears are inference-only; use --mode forward")
         self.variant, self.mode, self.device = variant, mode, device
@@ -77,7 +88,7 @@ class Runner:
         self.model = TransformerLM(self.config, device=device, check_tokens=False)
         if variant.int8:
             self.model = use_int8_linears(self.model.to(torch.bfloat16))
-        self.call = self.model
+        self.call: Callable[..., Any] = self.model
         torch._dynamo.reset()  # a case pays its own compilation, and no graphs are left over
         if variant.compile:
             self.call = torch.compile(self.model, mode=variant.compile_mode)
@@ -125,10 +136,10 @@ def measure(
     context: int,
     batch: int,
     mode: str,
-    device,
+    device: torch.device | str,
     warmup: int,
     steps: int,
-) -> dict:
+) -> dict[str, Any]:
     """Per-phase millisecond samples and peak memory (GiB, CUDA only) of one case."""
     runner = Runner(variant, size, context, batch, mode, device)
     for _ in range(warmup):
@@ -144,16 +155,27 @@ def measure(
 
 
 def case_rows(
-    variant, size, context, batch, mode, warmup, steps, device, measured, baseline_ms,
-    warmup_in_case=False,
-) -> list[results.Row]:  # fmt: skip
+    variant: Variant,
+    size: str,
+    context: int,
+    batch: int,
+    mode: str,
+    warmup: int,
+    steps: int,
+    device: torch.device | str,
+    measured: dict[str, Any] | None,
+    baseline_ms: float | None,
+    warmup_in_case: bool = False,
+) -> list[results.Row]:
     """A step row (tokens/s, MFU, memory) and one row per phase; ``warmup_in_case`` names the
     warm-up count in the case column (a warm-up sweep). Tokens/s, MFU and the speed-up over
     ``baseline_ms`` (the baseline's median step) come from the median step time."""
     gpu, stamp = results.device_name(device), results.timestamp()
     x = f"{size} ctx={context} batch={batch}" + (f" warmup={warmup}" if warmup_in_case else "")
     dtype = "bf16" if variant.int8 else variant.dtype  # int8 layers run on bf16 weights
-    common = dict(provider=variant.label, x=x, dtype=dtype, gpu=gpu, timestamp=stamp)
+    common: dict[str, Any] = dict(
+        provider=variant.label, x=x, dtype=dtype, gpu=gpu, timestamp=stamp
+    )
     compiled = f"{variant.compile}" + (f"/{variant.compile_mode}" if variant.compile else "")
     settings = f"warmup={warmup} steps={steps} compile={compiled} opt={variant.optimizer}"
     if measured is None:
@@ -194,11 +216,14 @@ def case_rows(
     ]
     for phase in PHASES[mode]:
         times = [s[phase] for s in samples]
+        phase_p20, phase_p50, phase_p80 = results.quantiles(times)
         rows.append(
             results.Row(
                 kernel=f"transformer_lm/{phase}",
                 mode=mode,
-                **dict(zip(("p20", "p50", "p80"), results.quantiles(times), strict=True)),
+                p20=phase_p20,
+                p50=phase_p50,
+                p80=phase_p80,
                 config=settings,
                 mean=statistics.mean(times),
                 std=statistics.stdev(times) if len(times) > 1 else 0.0,
@@ -208,7 +233,7 @@ def case_rows(
     return rows
 
 
-def run(args) -> list[results.Row]:
+def run(args: argparse.Namespace) -> list[results.Row]:
     fill_device_defaults(args)
     cases = [
         (size, context, mode, dtype, warmup, variant)
@@ -217,9 +242,10 @@ def run(args) -> list[results.Row]:
         )
         for variant in variants(args, dtype)
     ]
-    rows, baselines = [], {}
+    rows: list[results.Row] = []
+    baselines: dict[tuple, float | None] = {}
 
-    def label(case) -> str:
+    def label(case: tuple) -> str:
         size, context, mode, dtype, warmup, variant = case
         return f"{size} ctx={context} {mode} {dtype} warmup={warmup} {variant.label}"
 
@@ -232,8 +258,10 @@ def run(args) -> list[results.Row]:
         )
         key = (size, context, mode, dtype, warmup)  # the first variant of a case is the baseline
         if key not in baselines:  # None when it ran out of memory: no speed-ups then
-            baselines[key] = measured and statistics.median(
-                sum(s.values()) for s in measured["samples"]
+            baselines[key] = (
+                statistics.median(sum(s.values()) for s in measured["samples"])
+                if measured is not None
+                else None
             )
         rows += case_rows(
             variant, size, context, args.batch_size, mode, warmup, args.steps, args.device,

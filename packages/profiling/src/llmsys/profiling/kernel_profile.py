@@ -35,6 +35,7 @@ under the profiler, which slows them, so this is no idle fraction).
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import itertools
 import math
@@ -42,7 +43,9 @@ import os
 import re
 import statistics
 from collections import defaultdict
+from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType
@@ -53,6 +56,7 @@ from llmsys.bench_harness.arguments import non_negative_int, positive_int
 
 from .e2e import Runner
 from .options import (
+    Variant,
     add_model_arguments,
     fill_device_defaults,
     variants,
@@ -75,7 +79,7 @@ PHASES = RANGES[:3]  # a step is these three, one after the other
 NAME_WIDTH = 80
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, contexts=(256,), cpu_contexts=(64,))
     parser.add_argument(
         "--warmup",
@@ -90,17 +94,23 @@ def add_arguments(parser) -> None:
     )
 
 
-def attribute(events, device_kernels: bool, ranges=RANGES) -> dict[str, dict[str, list[float]]]:
+def attribute(
+    events: Iterable[Any], device_kernels: bool, ranges: Collection[str] = RANGES
+) -> dict[str, dict[str, list[float]]]:
     """range name -> {kernel or op name -> microseconds of each call} from profiler events
     (``prof.events()``). ``device_kernels``: the kernels each CPU op launched (its ``kernels``,
     linked by the profiler); else each CPU op's self time, ranges and annotations left out."""
-    windows = defaultdict(list)  # range name -> sorted (start, end) of each time it ran
+    windows: defaultdict[str, list[tuple[float, float]]] = defaultdict(
+        list
+    )  # range name -> sorted (start, end) of each time it ran
     for event in events:
         if event.name in ranges and event.device_type == DeviceType.CPU:
             windows[event.name].append((event.time_range.start, event.time_range.end))
     for spans in windows.values():
         spans.sort()
-    found = {name: defaultdict(list) for name in ranges if name in windows}
+    found: dict[str, dict[str, list[float]]] = {
+        name: defaultdict(list) for name in ranges if name in windows
+    }
     for event in events:
         if event.device_type != DeviceType.CPU:
             continue  # device-side copies of the events; their kernels hang off the CPU ops
@@ -119,7 +129,7 @@ def attribute(events, device_kernels: bool, ranges=RANGES) -> dict[str, dict[str
     return found
 
 
-def _percentiles(values: list[float], scale: float = 1.0) -> dict[str, float]:
+def _percentiles(values: list[float], scale: float = 1.0) -> dict[str, Any]:
     """p20 / p50 / p80 of ``values`` times ``scale``, as Row fields."""
     p20, p50, p80 = results.quantiles(values)
     return {"p20": p20 * scale, "p50": p50 * scale, "p80": p80 * scale}
@@ -139,7 +149,9 @@ def short_name(name: str, kernel: bool) -> str:
     return name if len(name) <= NAME_WIDTH else name[: NAME_WIDTH - 3] + "..."
 
 
-def profile_case(runner: Runner, warmup: int, steps: int, nvtx: bool, trace: Path) -> dict:
+def profile_case(
+    runner: Runner, warmup: int, steps: int, nvtx: bool, trace: Path
+) -> dict[str, Any]:
     """Wall ms of each step (profiler off), then the profiled steps' attribution."""
     on_cuda = torch.device(runner.device).type == "cuda"
     for _ in range(warmup):
@@ -162,7 +174,13 @@ def profile_case(runner: Runner, warmup: int, steps: int, nvtx: bool, trace: Pat
     return {"wall": wall, "phases": phases, "found": found}
 
 
-def phase_rows(found, phases, steps, common, on_cuda) -> list[results.Row]:
+def phase_rows(
+    found: dict[str, dict[str, list[float]]],
+    phases: list[dict[str, float]],
+    steps: int,
+    common: dict[str, Any],
+    on_cuda: bool,
+) -> list[results.Row]:
     """Per phase, the measured wall time next to its kernels' time: where they differ by more
     than a few percent, the difference is host time the GPU waited for."""
     if not on_cuda:
@@ -184,7 +202,14 @@ def phase_rows(found, phases, steps, common, on_cuda) -> list[results.Row]:
     return rows
 
 
-def case_rows(found, wall, steps, common, on_cuda, top) -> list[results.Row]:
+def case_rows(
+    found: dict[str, dict[str, list[float]]],
+    wall: list[float],
+    steps: int,
+    common: dict[str, Any],
+    on_cuda: bool,
+    top: int,
+) -> list[results.Row]:
     """The two ``step`` rows, then the ``top`` kernels of each range; prints the summary."""
     unit = "GPU kernels" if on_cuda else "CPU ops (self time)"
     kernels_ms = sum(sum(map(sum, found.get(p, {}).values())) for p in PHASES) / 1e3 / steps
@@ -195,7 +220,7 @@ def case_rows(found, wall, steps, common, on_cuda, top) -> list[results.Row]:
         busy = f"{kernels_ms / wall_ms:.0%} of the wall time (ops timed under the profiler)"
     print(f"  wall {wall_ms:.3f} ms/step (profiler off), {unit} {kernels_ms:.3f} ms/step: {busy}")
     std = statistics.stdev(wall) if len(wall) > 1 else 0.0
-    busy_ms = dict(p20=math.nan, p50=kernels_ms, p80=math.nan, mean=kernels_ms)
+    busy_ms: dict[str, Any] = dict(p20=math.nan, p50=kernels_ms, p80=math.nan, mean=kernels_ms)
     rows = [
         results.Row("step", "wall", **common, **_percentiles(wall), mean=wall_ms, std=std,
                     config="profiler off; each phase ends with a synchronize"),
@@ -203,7 +228,9 @@ def case_rows(found, wall, steps, common, on_cuda, top) -> list[results.Row]:
                     config=f"{unit} per step; {busy}"),
     ]  # fmt: skip
     for name, per_full_name in found.items():
-        per_kernel = defaultdict(list)  # kernels whose short names agree count as one
+        per_kernel: defaultdict[str, list[float]] = defaultdict(
+            list
+        )  # kernels whose short names agree count as one
         for kernel, us in per_full_name.items():
             per_kernel[short_name(kernel, on_cuda)] += us
         total = sum(map(sum, per_kernel.values()))
@@ -222,7 +249,7 @@ def case_rows(found, wall, steps, common, on_cuda, top) -> list[results.Row]:
     return rows
 
 
-def run(args) -> list[results.Row]:
+def run(args: argparse.Namespace) -> list[results.Row]:
     fill_device_defaults(args)
     cases = [
         (size, context, dtype, variant)
@@ -233,7 +260,7 @@ def run(args) -> list[results.Row]:
     on_cuda = torch.device(args.device).type == "cuda"
     gpu, stamp = results.device_name(args.device), results.timestamp()
 
-    def label(case) -> str:
+    def label(case: tuple) -> str:
         size, context, dtype, variant = case
         return f"{size} ctx={context} batch={args.batch_size} {dtype} {variant.label}"
 
@@ -242,10 +269,15 @@ def run(args) -> list[results.Row]:
         size, context, dtype, variant = case
         trace = args.out / ("trace.json" if len(cases) == 1 else f"trace-{n}.json")
         x = f"{size} ctx={context} batch={args.batch_size} {variant.label}"  # provider: range
-        common = dict(mode="profile", x=x, dtype=dtype, gpu=gpu, timestamp=stamp)
+        common: dict[str, Any] = dict(mode="profile", x=x, dtype=dtype, gpu=gpu, timestamp=stamp)
         print(f"profile: {label(case)}: {args.steps} steps after {args.warmup} warm-up")
 
-        def profiled(variant=variant, size=size, context=context, trace=trace):
+        def profiled(
+            variant: Variant = variant,
+            size: str = size,
+            context: int = context,
+            trace: Path = trace,
+        ) -> dict[str, Any]:
             runner = Runner(variant, size, context, args.batch_size, "train-step", args.device)
             return profile_case(runner, args.warmup, args.steps, nvtx, trace)
 

@@ -34,14 +34,17 @@ tiny sizes, eagerly only on a CPU: a smoke test. Needs transformers.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import inspect
 import math
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -93,7 +96,9 @@ TINY = LLAMA | dict(
     vocab_size=256,
     max_position_embeddings=64,
 )
-SIZES = {  # prefill (batch, tokens), decode (sequences, cached tokens), training (batch, tokens)
+SIZES: dict[
+    str, dict[str, Any]
+] = {  # prefill (batch, tokens), decode (sequences, cached tokens), training (batch, tokens)
     "full": dict(prefill=(8, 512), decode=(8, 512), train=[(4, 2048), (1, 8192)]),
     "quick": dict(prefill=(2, 16), decode=(2, 16), train=[(2, 32)]),
 }
@@ -101,7 +106,7 @@ PARTS = ("inference", "training", "curve")
 TRAIN_PROVIDERS = ("stock", "llmsys", "liger")
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--part",
         nargs="+",
@@ -166,7 +171,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reps", type=positive_int, default=20, help="timed calls per case")
 
 
-def _transformers():
+def _transformers() -> ModuleType:
     try:
         import transformers
     except ImportError as error:
@@ -176,7 +181,9 @@ def _transformers():
     return transformers
 
 
-def build_llama(sizes: dict, device, dtype: torch.dtype, attn: str = "sdpa") -> nn.Module:
+def build_llama(
+    sizes: dict, device: torch.device | str, dtype: torch.dtype, attn: str = "sdpa"
+) -> nn.Module:
     """A LlamaForCausalLM with random weights, built on ``device`` in ``dtype``."""
     transformers = _transformers()
     config = transformers.LlamaConfig(**sizes)
@@ -199,7 +206,17 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected).norm() / expected.norm()).item()
 
 
-def _row(kernel, provider, mode, x, dtype, times, tokens, config, **extra) -> results.Row:
+def _row(
+    kernel: str,
+    provider: str,
+    mode: str,
+    x: str,
+    dtype: str,
+    times: list[float],
+    tokens: int,
+    config: str,
+    **extra: Any,
+) -> results.Row:
     p20, p50, p80 = results.quantiles(times)
     return results.Row(
         kernel=kernel, provider=provider, mode=mode, x=x, dtype=dtype, p20=p20, p50=p50,
@@ -217,7 +234,9 @@ def _with_speedups(rows: list[results.Row], baseline: str) -> list[results.Row]:
     return rows
 
 
-def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
+def inference(
+    args: argparse.Namespace, sizes: dict, shapes: dict, emit: Callable[[results.Row], None]
+) -> None:
     """fp16 vs int8 (quantize_linears) and int8-fused (quantize_model): prefill and decode,
     eager and CUDA graph; logits error."""
     from llmsys.hf import quantize_model
@@ -297,7 +316,7 @@ def inference(args, sizes: dict, shapes: dict, emit: Callable) -> None:
         )  # fmt: skip
 
 
-def _liger():
+def _liger() -> Callable[..., None] | None:
     """Liger-Kernel's patch for Llama, or None when liger-kernel is not installed."""
     try:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -307,7 +326,7 @@ def _liger():
 
 
 @contextlib.contextmanager
-def kernels_of(provider: str, model: nn.Module):
+def kernels_of(provider: str, model: nn.Module) -> Iterator[nn.Module]:
     """``model`` with ``provider``'s kernels put in: nothing (stock), ``apply_llmsys``, or
     Liger-Kernel's ``apply_liger_kernel_to_llama(model=...)``. Liger also replaces
     transformers' module-level rotary function and classes; they are put back on leaving, so
@@ -322,7 +341,9 @@ def kernels_of(provider: str, model: nn.Module):
     module = sys.modules[type(model).__module__]
     saved = {name: getattr(module, name) for name in LIGER_REPLACES if hasattr(module, name)}
     try:
-        _liger()(model=model)
+        patch = _liger()
+        assert patch is not None  # (the callers ask for liger only where it is installed)
+        patch(model=model)
         yield model
     finally:
         for name, value in saved.items():
@@ -332,7 +353,12 @@ def kernels_of(provider: str, model: nn.Module):
 LIGER_REPLACES = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
 
 
-def train_step(call: Callable, optimizer, data: torch.Tensor, device) -> torch.Tensor:
+def train_step(
+    call: Callable[..., Any],
+    optimizer: torch.optim.Optimizer,
+    data: torch.Tensor,
+    device: torch.device | str,
+) -> torch.Tensor:
     """One bf16-autocast step with the loss from the model's forward (``labels=``)."""
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
         loss = call(data, labels=data, use_cache=False).loss
@@ -342,13 +368,16 @@ def train_step(call: Callable, optimizer, data: torch.Tensor, device) -> torch.T
     return loss
 
 
-def largest_batch(model: nn.Module, tokens: int, vocab: int, device, cap: int = 512) -> int:
+def largest_batch(
+    model: nn.Module, tokens: int, vocab: int, device: torch.device | str, cap: int = 512
+) -> int:
     """The largest batch of ``tokens``-token sequences whose eager train step fits: doubled from
     1 until a step runs out of memory, then bisected to within 1/8."""
     optimizer = make_optimizer(model)
 
     def fits(batch: int) -> bool:
         ok = True
+        data: torch.Tensor | None = None
         try:
             data = torch.randint(0, vocab, (batch, tokens), device=device)
             for _ in range(2):  # the first allocates the optimizer state
@@ -361,7 +390,8 @@ def largest_batch(model: nn.Module, tokens: int, vocab: int, device, cap: int = 
         free_device_memory(device)
         return ok
 
-    low, high = 0, None
+    low = 0
+    high: int | None = None  # the first batch that does not fit, once one is found
     batch = 1
     while high is None and batch <= cap:
         if fits(batch):
@@ -375,7 +405,12 @@ def largest_batch(model: nn.Module, tokens: int, vocab: int, device, cap: int = 
     return low
 
 
-def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -> None:
+def training(
+    args: argparse.Namespace,
+    sizes: dict,
+    shapes: list[tuple[int, int]],
+    emit: Callable[[results.Row], None],
+) -> None:
     """stock vs llmsys (``apply_llmsys``) vs Liger-Kernel: bf16 autocast train steps with the
     loss from the model's forward, eager and compiled, each model alone on the device."""
     device, on_cuda = args.device, torch.device(args.device).type == "cuda"
@@ -421,7 +456,8 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
             case = f"{label}{batch}x{tokens}"
             row = _row("llama/train-step", provider, mode, case, "bf16", times, batch * tokens,
                        settings, memory_gib=memory)  # fmt: skip
-            optimizer = call = data = None  # free the optimizer state and compiled graphs
+            # free the optimizer state and compiled graphs (the timed lambda's cells too)
+            optimizer = call = data = None  # type: ignore[assignment]
         emit(row)
     if not args.largest_batch:
         return
@@ -444,7 +480,9 @@ def training(args, sizes: dict, shapes: list[tuple[int, int]], emit: Callable) -
 CURVES = (("stock", False), ("stock", True), ("llmsys", False), ("liger", False))
 
 
-def loss_curves(args, sizes: dict, emit: Callable, out: Path) -> None:
+def loss_curves(
+    args: argparse.Namespace, sizes: dict, emit: Callable[[results.Row], None], out: Path
+) -> None:
     """Train each of ``CURVES`` from the same weights on one fixed batch for ``--curve-steps``
     steps; writes every step's loss to ``<out>/llama-loss-curve.csv`` and its plot, and emits one
     row per curve: the largest gap to stock eager's loss over the steps."""
@@ -464,9 +502,9 @@ def loss_curves(args, sizes: dict, emit: Callable, out: Path) -> None:
         with kernels_of(provider, copy.deepcopy(master).to(device)) as model:
             call = torch.compile(model, mode=args.compile_mode) if use_compile else model
             optimizer = make_optimizer(model)
-            losses = [train_step(call, optimizer, data, device).detach() for _ in range(steps)]
-            curves[name] = torch.stack(losses).float().tolist()
-            optimizer = call = None
+            step_losses = [train_step(call, optimizer, data, device).detach() for _ in range(steps)]
+            curves[name] = torch.stack(step_losses).float().tolist()
+            optimizer = call = None  # type: ignore[assignment]  # (freed)
     reference = curves["stock eager"]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "llama-loss-curve.csv", "w") as file:
@@ -523,7 +561,7 @@ def plot(rows: list[results.Row], path: Path) -> Path:
             + (f"\n{r.provider}" if len(providers) > 1 else "")
             for r in shown
         ]
-        speedups = [r.speedup_vs_baseline for r in shown]
+        speedups = [cast(float, r.speedup_vs_baseline) for r in shown]  # (shown: with one)
         ax.bar(range(len(shown)), speedups, color=["C2" if s >= 1 else "C3" for s in speedups])
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(shown)), labels, fontsize="small")
@@ -533,7 +571,7 @@ def plot(rows: list[results.Row], path: Path) -> Path:
     return path
 
 
-def run(args) -> list[results.Row]:
+def run(args: argparse.Namespace) -> list[results.Row]:
     sizes = TINY if args.quick else MODELS[args.model]
     shapes = dict(SIZES["quick" if args.quick else "full"])
     if args.train_shape:

@@ -28,13 +28,15 @@ CPU, only the timeline, drawn from the profiler's events (they carry no stacks).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import os
 import pickle
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -56,7 +58,7 @@ MODES = ("forward", "train-step")
 TORCH_DIR = os.path.dirname(torch.__file__)
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, contexts=(128, 256, 512), cpu_contexts=(32, 64))
     # None = both ways; --checkpoint / --no-checkpoint keep one.
     parser.set_defaults(dtype=["fp32", "bf16"], checkpoint=None)
@@ -165,7 +167,7 @@ def resident_bytes(runner: Runner) -> int:
     return sum(storages.values())
 
 
-def profiled_deltas(step) -> list[int]:
+def profiled_deltas(step: Callable[[], object]) -> list[int]:
     """Run ``step()`` under the profiler with memory events on; the byte change of each CPU
     allocation (+) and free (-), in order. The parsed ``prof.events()`` folds these into the ops
     they happened in, so they are read from the raw Kineto events."""
@@ -221,7 +223,7 @@ def look_closely(runner: Runner, measured: dict, out: Path, title: str, top: int
         print(f"        {size / 2**20:10.1f} MiB  {site}")
 
 
-def run(args) -> list[results.Row]:
+def run(args: argparse.Namespace) -> list[results.Row]:
     fill_device_defaults(args)
     if any(variant.cuda_graphs for variant in variants(args, args.dtype[0])):
         raise SystemExit(
@@ -243,11 +245,12 @@ def run(args) -> list[results.Row]:
     train_cases = [case for case in cases if case[3] == "train-step"]
     closely = train_cases[args.snapshot - 1] if 0 < args.snapshot <= len(train_cases) else None
 
-    def label(case) -> str:
+    def label(case: tuple) -> str:
         size, context, dtype, mode, variant = case
         return f"{size} ctx={context} {dtype} {mode} {variant.label}"
 
-    rows, gpu, stamp = [], results.device_name(args.device), results.timestamp()
+    rows: list[results.Row] = []
+    gpu, stamp = results.device_name(args.device), results.timestamp()
     method = (
         "torch.cuda.max_memory_allocated"
         if torch.device(args.device).type == "cuda"
@@ -256,7 +259,7 @@ def run(args) -> list[results.Row]:
     for case in progress(cases, "memory", label):
         size, context, dtype, mode, variant = case
 
-        def measured_case(case=case):
+        def measured_case(case: tuple = case) -> dict[str, Any]:
             size, context, _, mode, variant = case
             runner = Runner(variant, size, context, args.batch_size, mode, args.device)
             measured = measure(runner)

@@ -14,6 +14,9 @@ without the logits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,7 +34,7 @@ def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _check_dtype(owner: str, dtype) -> None:
+def _check_dtype(owner: str, dtype: object) -> None:
     """The parameters' dtype: None (torch's default) or a floating dtype, else ``TypeError``
     (torch's own error, about gradients, names no argument)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -49,19 +52,27 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, eps: float = 1e-5, *, fused: bool = False, device=None, dtype=None
+        self,
+        d_model: int,
+        eps: float = 1e-5,
+        *,
+        fused: bool = False,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         _check_dtype("RMSNorm", dtype)
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
-        self.kernel = None
+        self.kernel: Callable[..., Any] | None = None
         if fused:
             from llmsys.kernels_fused import rms_norm  # imports Triton: only if used
 
             self.kernel = rms_norm
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``, ``(norm(s), s)`` for ``s = x + residual`` in ``x``'s
         dtype (the fused kernel adds, keeps ``s`` for the next residual add, and normalises)."""
         if self.kernel is not None:
@@ -88,6 +99,11 @@ class RotaryEmbedding(nn.Module):
     hold each angle twice: full-width (1, context, d) copies are built once for it.
     """
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cos_full: torch.Tensor
+    sin_full: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,
@@ -95,8 +111,8 @@ class RotaryEmbedding(nn.Module):
         theta: float,
         *,
         fused: bool = False,
-        device=None,
-        dtype=None,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
@@ -105,7 +121,7 @@ class RotaryEmbedding(nn.Module):
         table_dtype = _at_least_float32(dtype or torch.get_default_dtype())
         self.register_buffer("cos", angles.cos().to(table_dtype), persistent=False)
         self.register_buffer("sin", angles.sin().to(table_dtype), persistent=False)
-        self.kernel = None
+        self.kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
         if fused:
             from llmsys.kernels_fused import rotary  # imports Triton: only if used
 
@@ -132,9 +148,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.qkv_proj = nn.Linear(config.d_model, 3 * config.d_model, bias=False, **factory)
         self.output_proj = nn.Linear(config.d_model, config.d_model, bias=False, **factory)
@@ -159,9 +181,15 @@ class CausalSelfAttention(nn.Module):
 class SwiGLU(nn.Module):
     """``w2(silu(w1 x) * w3 x)`` with the activation in eager PyTorch or the Triton kernel."""
 
-    def __init__(self, config: ModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.w1 = nn.Linear(config.d_model, config.d_ff, bias=False, **factory)  # gate
         self.w3 = nn.Linear(config.d_model, config.d_ff, bias=False, **factory)  # up
         self.w2 = nn.Linear(config.d_ff, config.d_model, bias=False, **factory)  # down
@@ -179,7 +207,13 @@ class SwiGLU(nn.Module):
 class MoE(nn.Module):
     """``llmsys.kernels_moe.MoEFeedForward`` that runs its experts in the dtype autocast picks."""
 
-    def __init__(self, config: ModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         from llmsys.kernels_moe import MoEFeedForward
 
@@ -200,9 +234,15 @@ class MoE(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         norm = {"fused": config.norm == "fused", **factory}
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **norm)
         self.attn = CausalSelfAttention(config, **factory)
@@ -225,7 +265,8 @@ class FusedResidualBlock(TransformerBlock):
     input. The first block gets ``branch=None``; the final norm adds the last block's branch.
     """
 
-    def forward(
+    # (not TransformerBlock's call: the residual branch travels with the stream, by design)
+    def forward(  # type: ignore[override]
         self, x: torch.Tensor, branch: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if branch is None:
@@ -268,8 +309,8 @@ class TransformerLM(nn.Module):
         self,
         config: ModelConfig | None = None,
         *,
-        device=None,
-        dtype=None,
+        device: torch.types.Device = None,
+        dtype: torch.dtype | None = None,
         check_tokens: bool = True,
     ) -> None:
         super().__init__()
@@ -285,15 +326,17 @@ class TransformerLM(nn.Module):
         _check_dtype("TransformerLM", dtype)
         self.config = config
         self.check_tokens = check_tokens
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embedding = nn.Embedding(config.vocab_size, config.d_model, **factory)
-        block = FusedResidualBlock if config.norm == "fused" else TransformerBlock
+        block: type[TransformerBlock] = (
+            FusedResidualBlock if config.norm == "fused" else TransformerBlock
+        )
         self.blocks = nn.ModuleList(block(config, **factory) for _ in range(config.num_layers))
         self.final_norm = RMSNorm(
             config.d_model, config.norm_eps, fused=config.norm == "fused", **factory
         )
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, **factory)
-        self.loss_kernel = None
+        self.loss_kernel: Callable[..., torch.Tensor] | None = None
         if config.loss == "fused":
             from llmsys.kernels_fused import linear_cross_entropy  # imports Triton: only if used
 
@@ -363,7 +406,7 @@ def _can_synchronize(t: torch.Tensor) -> bool:
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _check_targets(targets, tokens: torch.Tensor) -> None:
+def _check_targets(targets: object, tokens: torch.Tensor) -> None:
     if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64:
         raise TypeError(
             "TransformerLM: `targets` must be an int64 tensor, got "
@@ -405,7 +448,8 @@ def _check_ids(tokens: torch.Tensor, targets: torch.Tensor | None, vocab_size: i
 
 def num_parameters(model: nn.Module, *, embedding: bool = True) -> int:
     """Parameter count; ``embedding=False`` leaves out the token embedding table."""
-    skip = {id(model.embedding.weight)} if not embedding and hasattr(model, "embedding") else set()
+    has_table = not embedding and hasattr(model, "embedding")
+    skip = {id(model.get_submodule("embedding").weight)} if has_table else set()
     return sum(p.numel() for p in model.parameters() if id(p) not in skip)
 
 

@@ -12,14 +12,27 @@ It matches ``torch.optim.AdamW`` (tested); use that one's ``fused=True`` for spe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
 
 
 class AdamW(torch.optim.Optimizer):
     """AdamW with the defaults of ``torch.optim.AdamW`` (lr 1e-3, betas (0.9, 0.999), eps 1e-8,
     weight_decay 0.01). State per parameter: ``step`` (int), ``exp_avg`` and ``exp_avg_sq``."""
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01) -> None:
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+    ) -> None:
         if not lr >= 0:
             raise ValueError(f"AdamW: `lr` must be >= 0, got {lr}")
         if not all(0 <= beta < 1 for beta in betas) or len(betas) != 2:
@@ -30,8 +43,9 @@ class AdamW(torch.optim.Optimizer):
             )
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
+    # torch types step as two overloads (None -> None, a closure -> its float): the same contract
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():

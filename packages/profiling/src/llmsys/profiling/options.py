@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -18,8 +19,10 @@ from .training import DTYPES, OPTIMIZERS
 
 FUSED_PARTS = ("norm", "rope", "loss")  # "eager" or "fused" each (llmsys.kernels_fused)
 # Every part on an llmsys kernel: the llmsys preset's, and the fused RMSNorm, rotary and loss.
-_ALL_FUSED = dict(attention="flash", ffn="swiglu") | dict.fromkeys(FUSED_PARTS, "fused")
-PRESETS = {
+_ALL_FUSED: dict[str, Any] = dict(attention="flash", ffn="swiglu") | dict.fromkeys(
+    FUSED_PARTS, "fused"
+)
+PRESETS: dict[str, dict[str, Any]] = {
     "eager": dict(attention="naive", ffn="eager", compile=False),
     "compiled": dict(attention="sdpa", ffn="eager", compile=True),
     "llmsys": dict(attention="flash", ffn="swiglu", compile=True, compile_mode="reduce-overhead"),
@@ -93,7 +96,7 @@ class Variant:
         ]
         return "+".join(p for p in parts if p)
 
-    def config(self, size: str, context_length: int, **overrides) -> ModelConfig:
+    def config(self, size: str, context_length: int, **overrides: Any) -> ModelConfig:
         return ModelConfig.named(
             size,
             context_length=context_length,
@@ -126,7 +129,11 @@ presets (--preset NAME ...; a part switch given with a preset overrides it):
 
 
 def add_model_arguments(
-    parser: argparse.ArgumentParser, *, contexts=(1024,), sizes=("small",), cpu_contexts=(128,)
+    parser: argparse.ArgumentParser,
+    *,
+    contexts: tuple[int, ...] = (1024,),
+    sizes: tuple[str, ...] = ("small",),
+    cpu_contexts: tuple[int, ...] = (128,),
 ) -> None:
     """Sizes, contexts, batch, precision, presets and part switches (lists sweep).
 

@@ -20,7 +20,10 @@ Both tables are also printed in plain text before the Markdown table.
 
 from __future__ import annotations
 
+import argparse
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +37,7 @@ TENSORS = ("parameters", "fc1 output", "layernorm output", "logits", "loss", "gr
 NAN = float("nan")
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--autocast",
         nargs="+",
@@ -48,10 +51,14 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def accumulate(device="cpu", steps: int = 1000, addend: float = 0.01) -> dict[str, torch.Tensor]:
+def accumulate(
+    device: torch.device | str = "cpu", steps: int = 1000, addend: float = 0.01
+) -> dict[str, torch.Tensor]:
     """The four sums of ``steps`` x ``addend`` from 0: way -> 0-dim tensor (the accumulator)."""
 
-    def total(accumulator: torch.dtype, addend_dtype: torch.dtype, upcast: bool = False):
+    def total(
+        accumulator: torch.dtype, addend_dtype: torch.dtype, upcast: bool = False
+    ) -> torch.Tensor:
         s = torch.tensor(0.0, dtype=accumulator, device=device)
         x = torch.tensor(addend, dtype=addend_dtype, device=device)
         for _ in range(steps):
@@ -69,7 +76,7 @@ def accumulate(device="cpu", steps: int = 1000, addend: float = 0.01) -> dict[st
 class ToyModel(nn.Module):
     """The assignment's toy model: (batch, in_features) -> (batch, out_features) logits."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(in_features, 10, bias=False)
         self.ln = nn.LayerNorm(10)
@@ -95,13 +102,13 @@ def autocast_unsupported(device_type: str, dtype: torch.dtype) -> str | None:
     return "; ".join(str(w.message) for w in caught) or "autocast stays disabled"
 
 
-def autocast_dtypes(device, dtype: torch.dtype) -> dict[str, str]:
+def autocast_dtypes(device: torch.device | str, dtype: torch.dtype) -> dict[str, str]:
     """Tensor (one of TENSORS) -> observed dtype name, for one forward + backward of ToyModel.
 
     Parameters and gradients list every distinct dtype, comma-separated.
     """
     model = ToyModel(16, 4).to(device)
-    seen = {}
+    seen: dict[str, torch.Tensor] = {}
     hooked = {"fc1 output": model.fc1, "layernorm output": model.ln, "logits": model.fc2}
     for tensor, module in hooked.items():
         module.register_forward_hook(lambda m, inputs, out, key=tensor: seen.update({key: out}))
@@ -113,17 +120,19 @@ def autocast_dtypes(device, dtype: torch.dtype) -> dict[str, str]:
     seen["loss"] = loss
     observed = {tensor: _name(seen[tensor].dtype) for tensor in seen}
 
-    def dtypes(tensors) -> str:
+    def dtypes(tensors: Iterable[torch.Tensor]) -> str:
         return ", ".join(sorted({_name(t.dtype) for t in tensors}))
 
     observed["parameters"] = dtypes(model.parameters())
-    observed["gradients"] = dtypes(p.grad for p in model.parameters())
+    observed["gradients"] = dtypes(p.grad for p in model.parameters() if p.grad is not None)
     return {tensor: observed[tensor] for tensor in TENSORS}
 
 
-def run(args) -> list[results.Row]:
+def run(args: argparse.Namespace) -> list[results.Row]:
     device = torch.device(args.device)
-    common = dict(gpu=results.device_name(device), version=f"torch {torch.__version__}")
+    common: dict[str, Any] = dict(
+        gpu=results.device_name(device), version=f"torch {torch.__version__}"
+    )
     common.update(timestamp=results.timestamp(), p20=NAN, p50=NAN, p80=NAN, unit="")
     rows = []
 

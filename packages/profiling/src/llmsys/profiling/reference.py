@@ -44,7 +44,7 @@ def _attention(x: torch.Tensor, w: dict, prefix: str, config: ModelConfig) -> to
     return torch.cat(outputs, dim=-1) @ w[f"{prefix}.output_proj.weight"].T
 
 
-def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     gate = x @ w1.T
     return (gate * torch.sigmoid(gate) * (x @ w3.T)) @ w2.T
 

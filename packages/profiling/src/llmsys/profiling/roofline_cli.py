@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 
 from llmsys.bench_harness.arguments import (
     non_negative_float,
@@ -264,7 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
 
-    def add(name: str, func, help: str, hardware: bool = True) -> argparse.ArgumentParser:
+    def add(
+        name: str,
+        func: Callable[[argparse.Namespace], object],
+        help: str,
+        hardware: bool = True,
+    ) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
         sub.set_defaults(func=func)
         if hardware:

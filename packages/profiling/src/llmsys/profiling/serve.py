@@ -43,15 +43,17 @@ host clock around each run), all providers of a case side by side in this one pr
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import gc
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -62,6 +64,9 @@ from llmsys.bench_harness.arguments import batch_by_tokens, non_negative_int, po
 from .llama import LLAMA, LLAMA_8B, TINY, _transformers, build_llama
 from .progress import progress
 from .training import synchronize
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel  # an optional dependency: mypy reads it as Any
 
 HELP = "a Hugging Face Llama served: prefill and decode tok/s, fp16 against int8 and torchao"
 MODELS = {"8b": LLAMA_8B, "0.85b": LLAMA}
@@ -80,7 +85,7 @@ NO_GRAPH = (
 )
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", choices=MODELS, default="8b", help="8b (Llama-3.1-8B's shape) or 0.85b"
     )
@@ -167,7 +172,7 @@ def allow_a_compile_per_layer() -> None:
 
 
 @contextlib.contextmanager
-def compiled_layers(model: nn.Module):
+def compiled_layers(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """``model`` with each decoder layer under ``torch.compile(dynamic=False)``; eager again on
     leaving. The layers share one compiled graph (their weights are its inputs)."""
     layers = model.model.layers
@@ -200,7 +205,14 @@ def weight_gib(model: nn.Module) -> float:
     return sum(storages.values()) / 2**30
 
 
-def _time_generate(model, prompt, new: int, reps: int, graph: bool, device) -> list[float]:
+def _time_generate(
+    model: PreTrainedModel,
+    prompt: torch.Tensor,
+    new: int,
+    reps: int,
+    graph: bool,
+    device: torch.device | str,
+) -> list[float]:
     """Milliseconds per new token of ``generate``: runs of ``3`` and ``3 + new`` tokens taken
     in turns, each pair's difference over ``new`` (3: the capture and one replay in both)."""
     from llmsys.hf import generate
@@ -222,13 +234,13 @@ def _time_generate(model, prompt, new: int, reps: int, graph: bool, device) -> l
     return times
 
 
-def run(args) -> list[results.Row]:
+def run(args: argparse.Namespace) -> list[results.Row]:
     transformers = _transformers()
     device, on_cuda = args.device, torch.device(args.device).type == "cuda"
     sizes = TINY if args.quick else MODELS[args.model]
     default = SIZES["quick" if args.quick else "full"]
 
-    def given(name: str):
+    def given(name: str) -> Any:
         value = getattr(args, name)
         return default[name] if value is None else value
 
@@ -305,14 +317,24 @@ def run(args) -> list[results.Row]:
     return rows
 
 
-def _case(phase: str, size, context: int) -> str:
+def _case(phase: str, size: Any, context: int) -> str:  # size: (B, T) for prefill, else B
     """The CSV's ``x`` of a case: ``BxT`` (prefill), else the batch and the cached tokens."""
     if phase == "prefill":
         return f"{size[0]}x{size[1]}"
     return f"batch {size}, {'context' if phase == 'decode' else 'prompt'} {context}"
 
 
-def _step_row(model, name, phase, mode, size, x, context, args, settings) -> results.Row:
+def _step_row(
+    model: PreTrainedModel,
+    name: str,
+    phase: str,
+    mode: str,
+    size: Any,
+    x: str,
+    context: int,
+    args: argparse.Namespace,
+    settings: str,
+) -> results.Row:
     """One prefill or decode case of one provider in one mode, timed."""
     device, vocab = args.device, model.config.vocab_size
     generator = torch.Generator(device).manual_seed(1)
@@ -323,7 +345,7 @@ def _step_row(model, name, phase, mode, size, x, context, args, settings) -> res
                 batch, tokens = size
                 ids = torch.randint(0, vocab, size, device=device, generator=generator)
 
-                def fn():
+                def fn() -> Any:
                     return model(ids, use_cache=False, logits_to_keep=1)
 
                 done = batch * tokens
@@ -340,7 +362,9 @@ def _step_row(model, name, phase, mode, size, x, context, args, settings) -> res
     return _row(phase, name, mode, x, times, done, settings)
 
 
-def decode_step(model: nn.Module, batch: int, context: int, room: int) -> Callable[[], object]:
+def decode_step(
+    model: PreTrainedModel, batch: int, context: int, room: int
+) -> Callable[[], object]:
     """One decode step of ``batch`` sequences over a static KV cache filled with ``context``
     random tokens, with ``room`` slots more (newer transformers advance the cache on every
     call, so each call needs one)."""
@@ -357,7 +381,17 @@ def decode_step(model: nn.Module, batch: int, context: int, room: int) -> Callab
     return lambda: call(token, position)
 
 
-def _generate_row(model, name, mode, batch, x, context, new, args, settings) -> results.Row:
+def _generate_row(
+    model: PreTrainedModel,
+    name: str,
+    mode: str,
+    batch: int,
+    x: str,
+    context: int,
+    new: int,
+    args: argparse.Namespace,
+    settings: str,
+) -> results.Row:
     reps = min(args.reps, 4)
     settings += f"; runs of 3 and {3 + new} new tokens, {reps} pairs"
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=args.device)
@@ -369,7 +403,9 @@ def _generate_row(model, name, mode, batch, x, context, new, args, settings) -> 
     return _row("generate", name, mode, x, times, batch, settings)
 
 
-def _row(phase, name, mode, x, times, tokens, settings) -> results.Row:
+def _row(
+    phase: str, name: str, mode: str, x: str, times: list[float], tokens: int, settings: str
+) -> results.Row:
     p20, p50, p80 = results.quantiles(times)
     return results.Row(
         kernel=f"serve/{phase}", provider=name, mode=mode, x=x,
@@ -378,7 +414,7 @@ def _row(phase, name, mode, x, times, tokens, settings) -> results.Row:
     )  # fmt: skip
 
 
-def _why(settings: str, error: Exception, device) -> str:
+def _why(settings: str, error: Exception, device: torch.device | str) -> str:
     """The row's note for a case that raised ``error`` (the device drained first, so the next
     case starts clean)."""
     synchronize(device)
@@ -386,7 +422,7 @@ def _why(settings: str, error: Exception, device) -> str:
     return f"{settings}; failed: {type(error).__name__}: {first}"
 
 
-def _failed(phase, name, mode, x, why: str) -> results.Row:
+def _failed(phase: str, name: str, mode: str, x: str, why: str) -> results.Row:
     return results.Row(
         kernel=f"serve/{phase}", provider=name, mode=mode, x=x,
         dtype=DTYPES.get(name, "float16"), p20=math.nan, p50=math.nan, p80=math.nan,

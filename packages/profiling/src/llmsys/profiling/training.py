@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ DTYPES = ("fp32", "bf16")  # bf16 = float32 weights under torch.autocast(bfloat1
 OPTIMIZERS = ("adamw-fused", "adamw-foreach", "adamw-llmsys")
 
 
-def autocast(dtype: str, device: str | torch.device):
+def autocast(dtype: str, device: str | torch.device) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to bfloat16 for ``dtype="bf16"``; nothing for ``"fp32"``."""
     if dtype not in DTYPES:
         raise ValueError(f"autocast: `dtype` must be one of {DTYPES}, got {dtype!r}")
@@ -65,7 +65,9 @@ def step_loss(
     return lm_loss(model(tokens), targets)
 
 
-def make_optimizer(model: torch.nn.Module, name: str = "adamw-fused", lr: float = 1e-4):
+def make_optimizer(
+    model: torch.nn.Module, name: str = "adamw-fused", lr: float = 1e-4
+) -> torch.optim.Optimizer:
     """AdamW (weight decay 0.1, betas (0.9, 0.95)) over ``model``'s parameters.
 
     ``name``: "adamw-fused" (PyTorch's fused CUDA kernel; foreach on CPU), "adamw-foreach"
@@ -74,7 +76,7 @@ def make_optimizer(model: torch.nn.Module, name: str = "adamw-fused", lr: float 
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"make_optimizer: `name` must be one of {OPTIMIZERS}, got {name!r}")
-    options = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    options: dict[str, Any] = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     if name == "adamw-llmsys":
         from .optimizer import AdamW
 

@@ -55,6 +55,7 @@ def gather_state(owned: Mapping[int, Mapping[str, Any]], to: int) -> dict[int, d
             for state in owned.values():
                 _send_tensors(state, to, device)
         else:
+            assert every_description is not None  # (the gathering rank's list)
             for src, theirs in enumerate(every_description):
                 if src != to:
                     for i, description in theirs.items():
@@ -86,7 +87,9 @@ def _send_tensors(state: Mapping[str, Any], to: int, device: torch.device) -> No
             dist.send(value.detach().to(device).contiguous(), dst=to)
 
 
-def _receive_tensors(description: Mapping[str, Any], src: int, device) -> dict[str, Any]:
+def _receive_tensors(
+    description: Mapping[str, Any], src: int, device: torch.device
+) -> dict[str, Any]:
     """One parameter's state from ``src``, each tensor moved to CPU as soon as it arrives."""
     state = {}
     for key, spec in description.items():

@@ -225,6 +225,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"got {to!r}"
             )
         all_params = self._all_params()
+        assert self.ownership is not None  # (None only inside Optimizer.__init__)
         owned = {}
         for i in self.ownership.params_of(self.rank):
             state = self.state.get(all_params[i])
@@ -354,6 +355,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Raise on every rank unless the ranks together now hold state for exactly the
         ``expected`` parameters that have state in the loaded dict, each on its owner."""
         all_params = self._all_params()
+        assert self.ownership is not None  # (None only inside Optimizer.__init__)
         loaded = sum(
             1 for i in self.ownership.params_of(self.rank) if self.state.get(all_params[i])
         )

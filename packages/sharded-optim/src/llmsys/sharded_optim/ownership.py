@@ -115,7 +115,7 @@ def assign_owners(numels: Sequence[int], world_size: int) -> Ownership:
     return Ownership(world_size).extend(numels)
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -8,7 +8,7 @@ metadata (no device work, no synchronization), so they run on every call and und
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 
@@ -18,7 +18,13 @@ def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
 
-def tensor(op: str, name: str, value, dtypes=None, kind: str | None = None) -> None:
+def tensor(
+    op: str,
+    name: str,
+    value: object,
+    dtypes: Collection[torch.dtype] | None = None,
+    kind: str | None = None,
+) -> None:
     """A ``torch.Tensor`` whose dtype is in ``dtypes`` (if given), else ``TypeError``.
 
     The dtype message lists the allowed dtypes, or says ``must have {kind} dtype`` when ``kind``
@@ -34,7 +40,7 @@ def tensor(op: str, name: str, value, dtypes=None, kind: str | None = None) -> N
         raise TypeError(f"{op}: `{name}` must have {expected}, got {value.dtype}")
 
 
-def tensors(op: str, optional: Iterable[str] = (), **values) -> None:
+def tensors(op: str, optional: Iterable[str] = (), **values: object) -> None:
     """Each value a ``torch.Tensor`` (or None, for the names in ``optional``), else ``TypeError``.
 
     For the public functions, before the dispatcher: its own schema error is a RuntimeError that
@@ -74,7 +80,9 @@ def same_shape(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Te
         )
 
 
-def same_device(op: str, name: str, t: torch.Tensor | None, ref_name: str, ref) -> None:
+def same_device(
+    op: str, name: str, t: torch.Tensor | None, ref_name: str, ref: torch.Tensor
+) -> None:
     """``t`` (skipped when None) on ``ref``'s device.
 
     Raises:
@@ -89,7 +97,7 @@ def same_device(op: str, name: str, t: torch.Tensor | None, ref_name: str, ref) 
 INT64_MAX = 2**63 - 1  # the largest value an op schema's ``int`` holds
 
 
-def integer(op: str, name: str, value, minimum: int, maximum: int = INT64_MAX) -> None:
+def integer(op: str, name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> None:
     """An ``int`` (not a bool) in ``[minimum, maximum]``: ``TypeError``, then ``ValueError``.
 
     The default ``maximum`` is int64's: past it the dispatcher's own error ("Expected a value
@@ -108,7 +116,7 @@ def integer(op: str, name: str, value, minimum: int, maximum: int = INT64_MAX) -
         raise ValueError(f"{op}: `{name}` must be at most {bound}, got {value}")
 
 
-def flag(op: str, name: str, value) -> None:
+def flag(op: str, name: str, value: object) -> None:
     """A ``bool`` (not a truthy string or None).
 
     Raises:
@@ -118,7 +126,7 @@ def flag(op: str, name: str, value) -> None:
         raise TypeError(f"{op}: `{name}` must be a bool, got {type(value).__name__}")
 
 
-def positive_int(owner: str, name: str, value) -> None:
+def positive_int(owner: str, name: str, value: object) -> None:
     """A module size: an ``int`` (not a bool) of at least 1.
 
     Raises:

@@ -14,17 +14,22 @@ plans.py.)
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import triton
+
+if TYPE_CHECKING:
+    from .plans import _Recording as _PlanRecording
 
 try:  # host-side tensor descriptors for the copy engine (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older triton
     TensorDescriptor = None
 
-# specialization key (_python_key) -> compiled kernel
-_compiled: dict[tuple, object] = {}
+# specialization key (_python_key) -> compiled kernel (a Triton CompiledKernel; Triton has no types)
+_compiled: dict[tuple, Any] = {}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -53,12 +58,12 @@ def sm_count(device: torch.device) -> int:
     return count
 
 
-def runs_under_interpreter(kernel) -> bool:
+def runs_under_interpreter(kernel: object) -> bool:
     """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (it runs CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def kernel_path(kernel, device: torch.device | str) -> str:
+def kernel_path(kernel: object, device: torch.device | str) -> str:
     """Which path an op built on ``kernel`` takes for tensors on ``device``, in words, the way
     every llmsys kernel package picks it: ``"Triton kernel"`` on CUDA, ``"Triton kernel under
     TRITON_INTERPRET=1"`` on CPU when ``kernel`` was decorated under the interpreter, else
@@ -70,7 +75,7 @@ def kernel_path(kernel, device: torch.device | str) -> str:
     return "eager fallback"
 
 
-def _key(value) -> object:
+def _key(value: Any) -> object:
     if isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() % 16 == 0
     if type(value) is int:
@@ -88,7 +93,7 @@ def _python_key(head: tuple, args: tuple, constexprs: dict) -> tuple:
     return (*head, *[_key(a) for a in args], *constexprs.values())
 
 
-def _check_order(kernel, args: tuple, constexprs: dict) -> None:
+def _check_order(kernel: Any, args: tuple, constexprs: dict) -> None:
     """The cached path passes constexprs by position: their order must be the signature's."""
     expected = list(kernel.arg_names[len(args) :])
     if list(constexprs) != expected:
@@ -98,7 +103,7 @@ def _check_order(kernel, args: tuple, constexprs: dict) -> None:
         )
 
 
-def _checked_grid(grid) -> tuple[int, ...] | None:
+def _checked_grid(grid: object) -> tuple[int, ...] | None:
     """``grid`` as a tuple of 1 to 3 positive ints; None when a size is 0; else ``TypeError`` or
     ``ValueError`` naming it."""
     sizes = (grid,) if isinstance(grid, int) else grid
@@ -115,9 +120,10 @@ def _checked_grid(grid) -> tuple[int, ...] | None:
 
 _runtime_knobs = triton.knobs.runtime
 # torch.cuda.current_device without its lazy-init check (a compiled kernel means CUDA is
-# initialized), and the current stream as an int; None in a CPU-only build of torch.
-_current_device = getattr(torch._C, "_cuda_getDevice", None)
-_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# initialized), and the current stream as an int; None in a CPU-only build of torch, where no
+# launch reaches them.
+_current_device = cast(Callable[[], int], getattr(torch._C, "_cuda_getDevice", None))
+_current_stream = cast(Callable[[int], int], getattr(torch._C, "_cuda_getCurrentRawStream", None))
 
 
 def _launch_hooks_installed() -> bool:
@@ -126,13 +132,13 @@ def _launch_hooks_installed() -> bool:
 
 
 def launch(
-    kernel,
+    kernel: Any,
     grid: int | tuple[int, ...],
     args: tuple,
     constexprs: dict,
     num_warps: int = 4,
     num_stages: int | None = None,
-    **options,
+    **options: object,
 ) -> None:
     """Run ``kernel[grid](*args, **constexprs, num_warps=.., num_stages=.., **options)``, fast
     after the first call of each specialization.
@@ -155,13 +161,21 @@ def launch(
 
 
 class _Recording(threading.local):
-    active = None  # plans._Recording while an impl is recorded on this thread
+    active: _PlanRecording | None = None  # while an impl is recorded on this thread
 
 
 recording = _Recording()
 
 
-def _launch(kernel, grid, args, constexprs: dict, num_warps, num_stages, options: dict) -> None:
+def _launch(
+    kernel: Any,
+    grid: int | tuple[int, ...],
+    args: tuple,
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int | None,
+    options: dict,
+) -> None:
     """``launch`` with its compile options as one dict (never modified here)."""
     if recording.active is not None:
         recording.active.launches.append(

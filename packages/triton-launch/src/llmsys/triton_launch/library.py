@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -44,16 +46,21 @@ from . import launcher, native, plans
 # the middle of the call that triggers the swap.
 KERNEL_KEYS = ("CPU", "CompositeExplicitAutograd")
 
-# op (OpOverload) -> its entry: a PythonEntry, or a native_plans.Plans after its first CUDA call
-_impls: dict = {}
+# op -> its entry: a PythonEntry, or a native_plans.Plans after its first CUDA call
+_impls: dict[torch._ops.OpOverload, Any] = {}
 # Arguments other than tensors that cannot intercept a call (an FX Proxy, say, would).
 _PLAIN_TYPES = frozenset((int, float, bool, type(None)))
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
 
 
 def define_op(
-    lib: torch.library.Library, schema: str, impl: Callable, fake: Callable, *, replays=False
-):
+    lib: torch.library.Library,
+    schema: str,
+    impl: Callable[..., Any],
+    fake: Callable[..., Any],
+    *,
+    replays: bool = False,
+) -> torch._ops.OpOverload:
     """Define ``lib.ns::schema``, implement it with ``impl`` on CPU and CUDA, and register
     ``fake`` for tracing; returns the op's default overload.
 
@@ -72,7 +79,8 @@ def define_op(
     # would not count toward its plan).
     defaults = tuple(argument.default_value for argument in op._schema.arguments)
 
-    def kernel(*args):  # the op's entry: its impl, replayed from a recorded plan where it can be
+    # the op's entry: its impl, replayed from a recorded plan where it can be
+    def kernel(*args: Any) -> Any:
         return _impls[op](*args, *defaults[len(args) :])
 
     for key in KERNEL_KEYS:
@@ -90,22 +98,24 @@ class PythonEntry:
 
     __slots__ = ("impl", "op", "replays", "upgradable")
 
-    def __init__(self, impl, op, replays: bool = False) -> None:
+    def __init__(
+        self, impl: Callable[..., Any], op: torch._ops.OpOverload, replays: bool = False
+    ) -> None:
         self.impl, self.op, self.replays, self.upgradable = impl, op, replays, True
 
-    def __call__(self, *args):
+    def __call__(self, *args: Any) -> Any:
         if self.upgradable and (upgraded := self._upgraded(args)) is not None:
             return upgraded(*args)
         return self.impl(*args)
 
-    def below_autograd(self, args: tuple):
+    def below_autograd(self, args: tuple) -> Any:
         if self.upgradable and (upgraded := self._upgraded(args)) is not None:
             return upgraded.below_autograd(args)
         if _plain_call(args) is False:
             return self.impl(*args)
         return self.op(*args)
 
-    def _upgraded(self, args: tuple):
+    def _upgraded(self, args: tuple) -> Any:
         """The native entry that replaces this one, at the first call with a CUDA tensor; None
         where the C++ module cannot be had. It becomes the op's CUDA kernel, and where the op has
         a ``register_autograd`` formula, a C++ kernel in front of torch's autograd kernel for
@@ -126,7 +136,7 @@ class PythonEntry:
 
 
 @cache
-def native_module():
+def native_module() -> ModuleType | None:
     """The compiled ``native_plans`` module, initialized, or None (with one warning saying why)."""
     if os.environ.get("LLMSYS_NATIVE_PLANS", "1") == "0":
         return None
@@ -144,7 +154,7 @@ def native_module():
         return None
 
 
-def forget(*ops) -> None:
+def forget(*ops: torch._ops.OpOverload) -> None:
     """Forget the recorded plans of ``ops`` (every op when none is named): their next calls
     record again. Call it right after changing what an impl reads besides its arguments (a
     module switch, a patched helper, a tuner's cache), and again after restoring it.
@@ -161,7 +171,7 @@ def forget(*ops) -> None:
 
 
 @contextmanager
-def disabled():
+def disabled() -> Iterator[None]:
     """Within this block every op runs its Python impl (nothing is replayed or recorded); for
     tests that watch what an impl allocates, such as the poisoned-allocation fixture."""
     module = native_module() if torch.cuda.is_available() else None  # (CPU calls never replay)
@@ -223,7 +233,7 @@ def _plain_arguments(args: tuple) -> bool | None:
     return requires_grad
 
 
-def wants_grad(*args) -> bool:
+def wants_grad(*args: object) -> bool:
     """Whether autograd would record a call with these arguments: a tensor argument requiring
     grad, grad mode on, and autograd not switched off for this thread
     (``_AutoDispatchBelowAutograd``, as inside ``custom_op``'s no-grad path). A public function
@@ -261,7 +271,7 @@ def refuse_double_backward(name: str) -> None:
         )
 
 
-def call_below_autograd(op, *args):
+def call_below_autograd(op: torch._ops.OpOverload, *args: Any) -> Any:
     """Call ``op`` where autograd has nothing to record: from an ``autograd.Function``'s forward
     or backward, or where no argument requires grad. Its impl directly when that is all the
     dispatcher would do and autograd records nothing (``_plain_call``), else the op. A backward

@@ -12,6 +12,7 @@ import subprocess
 import sysconfig
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -64,9 +65,10 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
-def load(path: Path):
+def load(path: Path) -> ModuleType:
     """Import the ``native_plans`` extension module from ``path``."""
     spec = importlib.util.spec_from_file_location("native_plans", path)
+    assert spec is not None and spec.loader is not None  # an extension suffix gets both
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

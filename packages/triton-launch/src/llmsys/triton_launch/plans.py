@@ -23,7 +23,8 @@ or the tensors are not on CUDA, ops call their impl as before (``library.PythonE
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,9 +78,14 @@ class _Recording(TorchDispatchMode):
 
     def __init__(self, args: tuple) -> None:
         super().__init__()
-        self.args, self.allocations, self.launches, self.refused = args, [], [], None
+        self.args = args
+        self.allocations: list[torch.Tensor] = []
+        self.launches: list[tuple | _Copy] = []  # launcher._launch's arguments, or a copy
+        self.refused: str | None = None
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: Any, types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if func in _ALLOCATIONS:
@@ -90,7 +96,7 @@ class _Recording(TorchDispatchMode):
             self.refused = str(func)
         return result
 
-    def _copy(self, source, kwargs: dict, result) -> bool:
+    def _copy(self, source: Any, kwargs: dict, result: torch.Tensor) -> bool:
         """Record ``source.contiguous()`` of a strided argument as a step of the plan: replayed
         as ``.contiguous()`` of the same argument, which copies because the signature fixes its
         strides. (A copy of a contiguous argument, or of one passed twice, is refused: the first
@@ -103,16 +109,16 @@ class _Recording(TorchDispatchMode):
         self.launches.append(_Copy(indices[0], result))
         return True
 
-    def __enter__(self):
+    def __enter__(self) -> _Recording:
         launcher.recording.active = self
         return super().__enter__()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         launcher.recording.active = None
         return super().__exit__(*exc)
 
 
-def record(impl, args: tuple) -> tuple:
+def record(impl: Callable[..., Any], args: tuple) -> tuple:
     """Run ``impl(*args)`` and record it: ``(result, plan)`` (``native_plans.cpp`` describes the
     plan's layout); the plan is a string saying why where the call cannot be replayed, False
     where it is not recorded now (during a CUDA-graph capture, where a tuner does not tune)."""
@@ -139,18 +145,18 @@ class _NotReplayable(Exception):
 
 
 class _Copy(NamedTuple):
-    """A step of a recording: ``result`` is the contiguous copy of argument ``index``."""
+    """A step of a recording: ``result`` is the contiguous copy of argument ``position``."""
 
-    index: int
+    position: int
     result: torch.Tensor
 
 
-def _refuse(condition: bool, why: str) -> None:
+def _refuse(condition: object, why: str) -> None:
     if condition:
         raise _NotReplayable(why)
 
 
-def _plan(recording: _Recording, result) -> tuple:
+def _plan(recording: _Recording, result: object) -> tuple:
     _refuse(recording.refused is not None, f"the impl called {recording.refused}")
     device = torch.cuda.current_device()
     allocations = recording.allocations
@@ -166,7 +172,7 @@ def _plan(recording: _Recording, result) -> tuple:
     steps = []
     for step in recording.launches:
         if type(step) is _Copy:
-            steps.append((step.index,))
+            steps.append((step.position,))
         elif (launch := _launch(step, sources, device)) is not None:
             steps.append(launch)
     allocated = tuple((tuple(t.shape), t.stride(), t.dtype) for t in allocations)
@@ -179,7 +185,7 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
     sizes = (grid,) if isinstance(grid, int) else tuple(grid)
     if 0 in sizes:
         return None
-    first = args[0] if args else None
+    first: Any = args[0] if args else None
     base = (
         first.base
         if launcher.TensorDescriptor and type(first) is launcher.TensorDescriptor
@@ -190,9 +196,11 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
     )
     head = (kernel, device, num_warps, num_stages, *options.items())
     compiled = launcher._compiled.get(launcher._python_key(head, args, constexprs))
-    _refuse(compiled is None, "a launch not in the cache of compiled kernels")
+    if compiled is None:
+        raise _NotReplayable("a launch not in the cache of compiled kernels")
     kinds = _kinds(compiled)
-    _refuse(kinds is None, "a kernel that needs Triton's own launcher (scratch, clusters, ...)")
+    if kinds is None:
+        raise _NotReplayable("a kernel that needs Triton's own launcher (scratch, clusters, ...)")
     _refuse(
         len(kinds) < len(args) or kinds[len(args) :].strip("-") != "",
         "a constexpr kernel parameter",
@@ -218,7 +226,7 @@ def _launch(call: tuple, sources: list, device: int) -> tuple | None:
     return compiled.function, grid3, 32 * compiled.metadata.num_warps, shared, tuple(params)
 
 
-def _kinds(compiled) -> str | None:
+def _kinds(compiled: Any) -> str | None:
     """One character per kernel argument, as a plan's parameters hold them (native_plans.cpp),
     ``T`` for a host tensor descriptor the kernel lowered to TMA and ``-`` for one that is no
     parameter (a constexpr); None when the kernel needs something only Triton's launcher does
@@ -251,7 +259,7 @@ def _kinds(compiled) -> str | None:
     return "".join(kinds)
 
 
-def _descriptor(descriptor, meta: dict, sources: list) -> list:
+def _descriptor(descriptor: Any, meta: dict, sources: list) -> list:
     """A host tensor descriptor's parameters as Triton's launcher passes them to a kernel that
     lowered it to TMA: its tensor map (encoded at each replay), its shape (int32) and strides
     (int64). The tensor map's arguments are those of Triton's ``fill_tma_descriptor``."""
@@ -309,7 +317,7 @@ def _source(address: int, sources: list) -> tuple[int, int, int]:
     return inside[0]
 
 
-def _output(t, allocations: list):
+def _output(t: Any, allocations: list[torch.Tensor]) -> tuple | None:
     if t is None:
         return None
     _refuse(type(t) is not torch.Tensor, "a result that is not a tensor")
@@ -321,7 +329,7 @@ def _output(t, allocations: list):
     raise _NotReplayable("a result that is an argument or a tensor from elsewhere")
 
 
-def _result(result, allocations: list) -> tuple:
+def _result(result: object, allocations: list[torch.Tensor]) -> tuple:
     if result is None:
         return 0, ()
     if type(result) is tuple:

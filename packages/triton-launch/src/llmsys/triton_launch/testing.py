@@ -4,6 +4,7 @@ a call in a CUDA graph and replay it."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -12,7 +13,7 @@ from .library import _impls, native_module
 CALLS_TO_RECORD = 3  # a signature's first call, then two recordings (native_plans.cpp)
 
 
-def assert_replays(call: Callable[[], object], *ops) -> None:
+def assert_replays(call: Callable[[], object], *ops: torch._ops.OpOverload) -> None:
     """Call ``call()`` until its ops have recorded plans, then once more, and assert that every
     call of each op in ``ops`` replayed (with no ``ops``: every ``define_op(replays=True)`` op
     that the last ``call()`` reached, at least one). CUDA only; the AssertionError names the op
@@ -27,7 +28,7 @@ def assert_replays(call: Callable[[], object], *ops) -> None:
     call()
     reached = {op: (_report(op)[0] - before[op][0]) for op in _impls}
     if not ops:
-        ops = [op for op, n in reached.items() if n and _impls[op].replays]
+        ops = tuple(op for op, n in reached.items() if n and _impls[op].replays)
         if not ops:
             raise AssertionError("assert_replays: `call` reached no op made with replays=True")
     for op in ops:
@@ -41,7 +42,7 @@ def assert_replays(call: Callable[[], object], *ops) -> None:
             raise AssertionError(f"{op}: {missed} of {reached[op]} calls not replayed: {why_not}")
 
 
-def _report(op) -> tuple[int, int, str]:
+def _report(op: torch._ops.OpOverload) -> tuple[int, int, str]:
     """(calls, replayed calls, why the last call that was not replayed was not) of ``op``'s
     native entry; no calls for an entry that never met a CUDA tensor."""
     entry = _impls[op]
@@ -51,7 +52,7 @@ def _report(op) -> tuple[int, int, str]:
     return report["calls"], report["replayed"], report["why_not"]
 
 
-def replay_in_cuda_graph(fn: Callable, inputs: Sequence, fresh: Sequence):
+def replay_in_cuda_graph(fn: Callable[..., Any], inputs: Sequence, fresh: Sequence) -> Any:
     """Capture ``fn(*inputs)`` in a CUDA graph, copy ``fresh`` into the tensor ``inputs``, replay.
 
     ``fn`` runs once first on a side stream (compiling and tuning kernels, as

@@ -31,7 +31,7 @@ def forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
     attention_proj = 4 * d * d  # qkv (3 d^2) and output (d^2) weights
     ffn = 3 * d * d_ff * (config.topk if config.ffn == "moe" else 1)
     router = d * config.num_experts if config.ffn == "moe" else 0
-    per_layer = 2 * tokens * (attention_proj + ffn + router)
+    per_layer: float = 2 * tokens * (attention_proj + ffn + router)
     pairs = seq_len * (seq_len + 1) / 2  # causal (query, key) pairs per sequence and head
     per_layer += 2 * 2 * batch_size * config.num_heads * pairs * config.head_dim  # qk^T and pv
     return config.num_layers * per_layer + 2 * tokens * d * config.vocab_size  # + lm_head

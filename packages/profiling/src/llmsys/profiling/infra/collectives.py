@@ -59,7 +59,7 @@ class Link:
             )
 
 
-def _finite_number(value) -> bool:
+def _finite_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 GB = 1e9  # decimal, as datasheets use it
 TB = 1e12
@@ -134,7 +135,7 @@ class HardwareSpec:
         memory_bandwidth: float,
         flops: float,
         min_kernel_time: float = 0.0,
-        **fields,
+        **fields: Any,
     ) -> HardwareSpec:
         """A user-defined GPU with one FLOP/s rate for every precision and for elementwise
         work: ``HardwareSpec.custom("toy", memory_bandwidth=2.4e12, flops=800e12,
@@ -170,11 +171,11 @@ class HardwareSpec:
             return self.vector_flops
         return self.matmul_flops.get("fp32", min(self.matmul_flops.values()))
 
-    def replace(self, **changes) -> HardwareSpec:
+    def replace(self, **changes: Any) -> HardwareSpec:
         return dataclasses.replace(self, **changes)
 
 
-def _check_number(what: str, value, allow_zero: bool = True) -> None:
+def _check_number(what: str, value: float, allow_zero: bool = True) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         expected = "a non-negative" if allow_zero else "a positive"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from ..config import ModelConfig
 from . import collectives
@@ -332,7 +333,7 @@ def hiding_tokens(
             f"hiding_tokens: `strategy` must be 'fsdp', 'zero3' or 'tp', got {strategy!r}"
         )
     n = gpus_per_node * nodes
-    layout = dict(gpus_per_node=gpus_per_node, nodes=nodes)
+    layout: dict[str, Any] = dict(gpus_per_node=gpus_per_node, nodes=nodes)
     peak = hw.peak(MATMUL_PRECISION.get(policy.params, "bf16"))
     if strategy == "tp":
         flops_per_token = 6 * shape.params_per_layer / n

@@ -9,6 +9,7 @@ package's sweep and composes its report with the same table.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from llmsys.bench_harness import results
@@ -16,7 +17,7 @@ from llmsys.bench_harness import results
 HELP = "compose results CSVs (files or folders) into one Markdown report with tables and plots"
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", type=Path, help="CSV files or folders holding them")
     parser.add_argument("--out", type=Path, default=Path("REPORT.md"), help="the Markdown file")
     parser.add_argument("--title", default="llmsys benchmark report")
@@ -59,7 +60,7 @@ def _relative(path: Path, start: Path) -> str:
     return os.path.relpath(path.resolve(), start.resolve())
 
 
-def run(args) -> list[results.Row]:
+def run(args: argparse.Namespace) -> list[results.Row]:
     csvs = csv_files(args.inputs)
     if not csvs:
         raise SystemExit(f"report: no CSV files in {[str(p) for p in args.inputs]}")

@@ -76,7 +76,7 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def _count(name: str, value) -> None:
+def _count(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
         raise ValueError(f"`{name}` must be a non-negative number, got {value!r}")
 

@@ -81,6 +81,7 @@ def _predict_kernel(row: results.Row) -> tuple[float, str] | None:
     spec = hardware.find(row.gpu)
     if spec is None:
         return None
+    assert row.throughput is not None  # (predict passes only rows with one)
     work = row.throughput * 1e12 * row.p50 / 1e3  # bytes, FLOPs or operations the row counted
     if row.throughput_unit == "TB/s":
         seconds = work / spec.memory_bandwidth
