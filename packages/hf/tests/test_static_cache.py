@@ -15,6 +15,7 @@ from hf_models import build
 
 from llmsys.hf import apply_llmsys, cached_forward, generate, quantize_model
 from llmsys.hf import attention as hf_attention
+from llmsys.hf.generation import sliding_layers
 from llmsys_dev.compare import relative_error
 
 transformers = pytest.importorskip("transformers")
@@ -187,8 +188,12 @@ def test_what_the_decode_kernel_cannot_serve_goes_to_sdpa_or_is_refused(device):
     window = dict(family="mistral", sliding_window=4)  # a cache of 8 tokens rolls past 4
     serve, sdpa = (rotary_only(name, device, **window) for name in ("llmsys_serve", "sdpa"))
     with routes() as seen:
-        got = generate(serve, ids[:, :5], 3)
+        got = generate(serve, ids[:, :5], 3)  # eagerly, on CUDA too: a graph cannot replay it
     assert seen["decode"] == [] and torch.equal(got, generate(sdpa, ids[:, :5], 3))
+    assert sliding_layers(transformers.StaticCache(config=serve.config, max_cache_len=8)) == [0]
+    if ids.is_cuda:
+        with pytest.raises(ValueError, match=r"layers \[0\] are sliding-window layers"):
+            generate(serve, ids[:, :5], 3, cuda_graph=True)
     fa2 = rotary_only("llmsys_fa2", device, **window)
     with pytest.raises(ValueError, match="sliding window or attention chunk of 4 tokens"):
         generate(fa2, ids[:, :5], 3)

@@ -43,20 +43,21 @@ def generate(
         input_ids: (batch, prompt) integer token ids, every row the same length (no padding).
         max_new_tokens: how many tokens to add, at least 1. Every row gets that many: there is
             no stop at an end-of-sequence token (cut the rows afterwards).
-        cuda_graph: replay the decode step from a CUDA graph (default: on a CUDA device). The
-            first step runs eagerly, which also warms up what the capture needs.
+        cuda_graph: replay the decode step from a CUDA graph (default: on a CUDA device, unless
+            the cache has sliding-window layers, which a graph cannot replay). The first step
+            runs eagerly, which also warms up what the capture needs.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` with a ``config``, ``input_ids`` is not an
             int64 or int32 tensor, ``max_new_tokens`` is not an int or ``cuda_graph`` is not a
             bool or None.
         ValueError: ``input_ids`` is not (batch, prompt) with both sizes > 0,
-            ``max_new_tokens`` < 1, or ``cuda_graph=True`` with ``input_ids`` off CUDA.
+            ``max_new_tokens`` < 1, or ``cuda_graph=True`` with ``input_ids`` off CUDA or
+            with a model whose cache has sliding-window layers (a window shorter than the
+            prompt and the new tokens).
     """
     _check_arguments(model, input_ids, max_new_tokens, cuda_graph)
     on_cuda = input_ids.device.type == "cuda"
-    if cuda_graph is None:
-        cuda_graph = on_cuda
     if cuda_graph and not on_cuda:
         raise ValueError(
             "generate: `cuda_graph=True` needs `input_ids` on a CUDA device, got "
@@ -68,6 +69,15 @@ def generate(
     batch, prompt = input_ids.shape
     ids = input_ids.long()
     cache = StaticCache(config=model.config, max_cache_len=prompt + int(max_new_tokens))
+    sliding = sliding_layers(cache)
+    if cuda_graph is None:
+        cuda_graph = on_cuda and not sliding
+    if cuda_graph and sliding:
+        raise ValueError(
+            f"generate: `cuda_graph=True` cannot replay this model's cache: its layers {sliding} "
+            "are sliding-window layers, which keep their length on the host and change what "
+            "they run once the window is full; pass cuda_graph=False (or leave it None)"
+        )
     call = cached_forward(model, cache)
     with torch.no_grad():
         positions = torch.arange(prompt, device=ids.device).expand(batch, prompt)
@@ -93,6 +103,11 @@ def generate(
             run()
             new.append(token.clone())
     return torch.cat([ids, *new], dim=1).to(input_ids.dtype)
+
+
+def sliding_layers(cache: Any) -> list[int]:
+    """The indices of ``cache``'s sliding-window layers (transformers' ``is_sliding``)."""
+    return [i for i, layer in enumerate(getattr(cache, "layers", ())) if layer.is_sliding]
 
 
 def _check_arguments(
