@@ -90,7 +90,7 @@ MODELS = {"0.85b": LLAMA, "3b": LLAMA_3B, "8b": LLAMA_8B}
 TINY = LLAMA | dict(
     hidden_size=64,
     intermediate_size=128,
-    num_hidden_layers=2,
+    num_hidden_layers=1,
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=256,
@@ -100,7 +100,7 @@ SIZES: dict[
     str, dict[str, Any]
 ] = {  # prefill (batch, tokens), decode (sequences, cached tokens), training (batch, tokens)
     "full": dict(prefill=(8, 512), decode=(8, 512), train=[(4, 2048), (1, 8192)]),
-    "quick": dict(prefill=(2, 16), decode=(2, 16), train=[(2, 32)]),
+    "quick": dict(prefill=(2, 8), decode=(2, 8), train=[(2, 16)]),
 }
 PARTS = ("inference", "training", "curve")
 TRAIN_PROVIDERS = ("stock", "llmsys", "liger")
@@ -143,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--train-shape",
         nargs="+",
         type=batch_by_tokens,
-        help="training batches as BxT (default: 4x2048 1x8192; with --quick, 2x32)",
+        help="training batches as BxT (default: 4x2048 1x8192; with --quick, 2x16)",
     )
     parser.add_argument(
         "--model",
