@@ -190,8 +190,6 @@ def traces(value: float, tolerance: float, unit: str, values: dict[str, list[flo
 # skipped until their numbers are a CSV's (tools/tests/test_readme_numbers.py fails once one of
 # them traces, so that it leaves this list).
 NOT_YET_TRACED: dict[tuple[str, str], str] = {
-    ("packages/profiling/README.md", "#### Where a serving step's time goes"): "profiler traces",
-    ("packages/profiling/README.md", "#### Where a training step's time goes"): "profiler traces",
     (
         "packages/profiling/README.md",
         "### Predicted vs measured (`llmsys-roofline check`)",
