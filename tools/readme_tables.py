@@ -6,6 +6,9 @@
 - The results tables (between ``<!-- results:NAME -->`` markers), from the committed CSVs under
   ``packages/*/benchmarks/results/``; what each table shows is declared in
   ``llmsys_dev/readme_results.py``.
+- The profiling README's table of measured against predicted time (the block
+  ``results:profiling-roofline-check``), from the same CSVs by ``llmsys-roofline check``'s
+  model; its groups of rows are declared in ``llmsys_dev/readme_roofline.py``.
 
 ``--check`` writes nothing and fails if a README differs from what this would write (CI runs it
 as ``tools/tests/test_readmes.py``). After a new GPU run commits its CSV, run this script and
@@ -18,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from llmsys_dev import readme_install, readme_results
+from llmsys_dev import readme_install, readme_results, readme_roofline
 from llmsys_dev.workspace import ROOT
 
 
@@ -28,6 +31,8 @@ def generate(root: Path = ROOT) -> dict[Path, str]:
     for path, text in readme_install.generate(root).items():
         texts[path] = text
     for path, text in readme_results.generate(root, texts).items():
+        texts[path] = text
+    for path, text in readme_roofline.generate(root, texts).items():
         texts[path] = text
     return texts
 

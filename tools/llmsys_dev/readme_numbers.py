@@ -30,8 +30,9 @@ of ours:
 - it sits in a generated block (``<!-- results:NAME -->``, ``<!-- install -->``), checked by
   the generator, or in an ``<!-- estimate -->`` block: analytic estimates and hardware specs.
 
-Sections in ``NOT_YET_TRACED`` are skipped, each with the reason. ``cd tools && python -m
-llmsys_dev.readme_numbers`` lists the numbers that trace to nothing.
+A number read off a profiler trace or a log is traced the same way: a CSV summing that output
+up is committed beside the others and linked. ``cd tools && python -m llmsys_dev.readme_numbers``
+lists the numbers that trace to nothing.
 """
 
 from __future__ import annotations
@@ -186,20 +187,6 @@ def traces(value: float, tolerance: float, unit: str, values: dict[str, list[flo
     return any(abs(v / scale - value) <= tolerance for v in values.get(kind, ()))
 
 
-# Sections whose numbers come from committed profiler traces or tool output, not from CSV rows:
-# skipped until their numbers are a CSV's (tools/tests/test_readme_numbers.py fails once one of
-# them traces, so that it leaves this list).
-NOT_YET_TRACED: dict[tuple[str, str], str] = {
-    ("packages/ddp/README.md", "## Results"): "DDP bucket and FSDP step profiles, cProfile",
-    ("packages/profiling/README.md", "#### Where a serving step's time goes"): "profiler traces",
-    ("packages/profiling/README.md", "#### Where a training step's time goes"): "profiler traces",
-    (
-        "packages/profiling/README.md",
-        "### Predicted vs measured (`llmsys-roofline check`)",
-    ): "`llmsys-roofline check` output over the CSVs, not a generated block yet",
-}
-
-
 def section_values(section: Section, cache: dict[Path, dict[str, list[float]]]) -> dict:
     """The values of every CSV the section links, by kind."""
     values: dict[str, list[float]] = {}
@@ -211,14 +198,12 @@ def section_values(section: Section, cache: dict[Path, dict[str, list[float]]]) 
     return values
 
 
-def untraced(readmes: list[Path], root: Path, skip=NOT_YET_TRACED) -> list[Number]:
+def untraced(readmes: list[Path], root: Path) -> list[Number]:
     """The measured numbers of ``readmes`` that no CSV of their section holds."""
     cache: dict[Path, dict[str, list[float]]] = {}
     missing = []
     for readme in readmes:
         for section in sections(readme, root):
-            if (readme.relative_to(root).as_posix(), section.heading) in skip:
-                continue
             values = section_values(section, cache)
             missing.extend(
                 number

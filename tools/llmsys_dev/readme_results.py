@@ -564,7 +564,8 @@ def decode_gemm_table(root: Path) -> str:
     return head + "\n\n" + "\n".join(lines)
 
 
-def _replace(text: str, name: str, body: str) -> str:
+def replace_block(text: str, name: str, body: str) -> str:
+    """``text`` with the body of its ``<!-- results:NAME -->`` block replaced (if it has one)."""
     start, end = f"<!-- results:{name} -->", f"<!-- /results:{name} -->"
     if start not in text:
         return text
@@ -578,12 +579,12 @@ def generate(root: Path, texts: dict[Path, str]) -> dict[Path, str]:
     readmes = [root / "README.md", *sorted((root / "packages").glob("*/README.md"))]
     for path in readmes:
         text = texts.get(path, path.read_text())
-        new = _replace(text, "root", root_table(root)) if path.parent == root else text
-        new = _replace(new, "triton-launch-host-cost", host_cost_table(root))
-        new = _replace(new, "kernels-int8-decode-gemm", decode_gemm_table(root))
+        new = replace_block(text, "root", root_table(root)) if path.parent == root else text
+        new = replace_block(new, "triton-launch-host-cost", host_cost_table(root))
+        new = replace_block(new, "kernels-int8-decode-gemm", decode_gemm_table(root))
         for name, table in TABLES.items():
             if f"<!-- results:{name} -->" in new:
-                new = _replace(new, name, package_table(table, root))
+                new = replace_block(new, name, package_table(table, root))
         if new != text or path in texts:
             out[path] = new
     return out

@@ -26,23 +26,12 @@ def _write(tmp_path, readme_text: str):
 
 def _untraced(tmp_path, readme_text: str) -> list[str]:
     readme = _write(tmp_path, readme_text)
-    return [f"{n.text} {n.unit}" for n in readme_numbers.untraced([readme], tmp_path, skip={})]
+    return [f"{n.text} {n.unit}" for n in readme_numbers.untraced([readme], tmp_path)]
 
 
 def test_every_readme_number_traces_to_a_csv_its_section_links():
     missing = readme_numbers.untraced(readme_numbers.readmes(ROOT), ROOT)
     assert missing == [], "numbers with no CSV row behind them:\n" + "\n".join(map(str, missing))
-
-
-def test_each_section_not_yet_traced_exists_and_still_needs_its_exemption():
-    for (path, heading), reason in readme_numbers.NOT_YET_TRACED.items():
-        found = [s for s in readme_numbers.sections(ROOT / path, ROOT) if s.heading == heading]
-        assert len(found) == 1, f"{path} has no single section {heading!r} ({reason})"
-        values = readme_numbers.section_values(found[0], {})
-        assert any(
-            not readme_numbers.traces(n.value, n.tolerance, n.unit, values)
-            for n in found[0].numbers
-        ), f"every number of {path} {heading!r} traces now: remove it from NOT_YET_TRACED"
 
 
 def test_a_number_of_the_linked_csv_passes_at_its_printed_precision(tmp_path):
@@ -101,9 +90,6 @@ def test_a_random_number_in_a_readmes_format_rarely_passes_its_sections_csvs():
     tried = passed = 0
     for readme in readme_numbers.readmes(ROOT):
         for section in readme_numbers.sections(readme, ROOT):
-            key = (readme.relative_to(ROOT).as_posix(), section.heading)
-            if key in readme_numbers.NOT_YET_TRACED:
-                continue
             values = readme_numbers.section_values(section, cache)
             for number in section.numbers:
                 decimals = len(number.text.split(".")[1]) if "." in number.text else 0

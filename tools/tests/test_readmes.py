@@ -1,9 +1,11 @@
 """The READMEs' generated parts match what `python tools/readme_tables.py` writes from the
 committed CSVs and pyproject files, so a README number has one source."""
 
+import re
+
 import readme_tables
 
-from llmsys_dev import readme_install, readme_results
+from llmsys_dev import readme_install, readme_results, readme_roofline
 from llmsys_dev.isolation import install_command
 from llmsys_dev.workspace import ROOT, discover
 
@@ -39,3 +41,13 @@ def test_flash_hopper_table_lists_the_sweeps_hopper_cases():
     sweep = load_sweep(ROOT / "packages" / "flash-attn2")
     labels = {case.label for case in sweep.hopper_cases()}
     assert set(readme_results.FLASH_HOPPER_CASES) == labels
+
+
+def test_the_roofline_table_has_a_row_per_group_and_links_each_csv():
+    text = readme_roofline.table(ROOT)
+    assert all(f"| {group.label} |" in text for group in readme_roofline.GROUPS)
+    links = re.findall(r"\]\(([^)]+\.csv)\)", text)
+    readme = ROOT / readme_roofline.README
+    assert {(readme.parent / link).resolve() for link in links} == {
+        group.path(ROOT).resolve() for group in readme_roofline.GROUPS
+    }

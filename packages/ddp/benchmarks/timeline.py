@@ -18,17 +18,26 @@ rank's end), the host time to issue one step without waiting for the GPU, and fr
 
 A step whose host time is close to its wall time while ``gpu_idle_ms`` is large is host-bound:
 the GPU waits for the Python that launches its kernels and collectives. Rank 0 writes
-``DIR/timeline-b<batch>.json`` and the top CPU ops of each strategy to ``DIR/top-*.txt``.
+``DIR/timeline-b<batch>.json``, the top CPU ops of each strategy to ``DIR/top-*.txt``, and both
+summed up in ``DIR/timeline-b<batch>.csv``: one row per strategy, with the host's CPU time per
+``c10d::allreduce_`` call from its top-ops table.
+
+``--summarize JSON`` writes that CSV to stdout from a JSON written earlier (with its
+``top-*.txt`` beside it), without measuring: no GPU and no torchrun.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.distributed as dist
@@ -94,6 +103,62 @@ def breakdown(trace: dict) -> dict:
         "kernels": len(kernels),
         "nccl_kernels": len(nccl_kernels),
     }
+
+
+def profiler_row(table: str, name: str) -> dict[str, str]:
+    """The row of op ``name`` in a ``key_averages().table()``, by column header ({} if absent)."""
+    header: list[str] = []
+    for line in table.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[0] == "Name":
+            header = cells
+        elif header and cells[0] == name:
+            return dict(zip(header, cells, strict=True))
+    return {}
+
+
+def _us(text: str) -> float:
+    """Microseconds of a profiler table's time ("166.835us", "1.000ms", "2.5s")."""
+    number, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()
+    return float(number) * {"us": 1.0, "ms": 1e3, "s": 1e6}[unit]
+
+
+def summary_rows(summary: dict, tops: dict[str, str]) -> list[dict]:
+    """One row per strategy of a ``timeline-b<batch>.json`` summary: its times and kernel
+    counts, and from its top-ops table (``tops``, by strategy) the calls of
+    ``c10d::allreduce_`` and the host's CPU time per call."""
+    rows = []
+    for key, parts in summary["strategies"].items():
+        kind, name = key.split(": ", 1)
+        allreduce = profiler_row(tops.get(key, ""), "c10d::allreduce_")
+        rows.append({
+            "gpu": summary["gpu"], "case": summary["case"],
+            "norm_rope": summary.get("kernels", ""), "world_size": summary["world_size"],
+            "kind": kind, "strategy": name, **parts,
+            "allreduce_calls": allreduce.get("# of Calls", ""),
+            "allreduce_cpu_us": _us(allreduce["CPU time avg"]) if allreduce else "",
+            "torch": summary["torch"], "timestamp": summary["timestamp"],
+        })  # fmt: skip
+    return rows
+
+
+def _slug(key: str) -> str:
+    return key.replace(": ", "-").replace(" ", "_")
+
+
+def write_summary(summary_json: Path, out: TextIO) -> None:
+    """The CSV of :func:`summary_rows` for a timeline JSON and the top-ops tables beside it."""
+    summary = json.loads(summary_json.read_text())
+    batch = summary_json.stem.removeprefix("timeline-")
+    tops = {}
+    for key in summary["strategies"]:
+        top = summary_json.with_name(f"top-{_slug(key)}-{batch}.txt")
+        if top.exists():
+            tops[key] = top.read_text()
+    rows = summary_rows(summary, tops)
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
 
 
 def build(kind: str, name: str, config: ModelConfig, device, world_size: int):
@@ -188,8 +253,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="strategies of fsdp.py")  # fmt: skip
     parser.add_argument("--kernels", choices=("eager", "fused"), default="eager",
                         help="RMSNorm and RoPE: eager, or llmsys.kernels_fused")  # fmt: skip
-    parser.add_argument("--out", type=Path, required=True, help="folder rank 0 writes into")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="folder rank 0 writes into")
+    where.add_argument(
+        "--summarize", type=Path, metavar="JSON", help="an earlier run's JSON: its CSV to stdout"
+    )
     args = parser.parse_args(argv)
+    if args.summarize:
+        write_summary(args.summarize, sys.stdout)
+        return
     rank, world_size = init_distributed()
     device = local_device()
     config = _fsdp.model_config(args.size, args.context_length, args.kernels)
@@ -204,8 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         for key, m in found.items():
-            slug = key.replace(": ", "-").replace(" ", "_")
-            (args.out / f"top-{slug}-b{args.batch_size}.txt").write_text(m.pop("top"))
+            (args.out / f"top-{_slug(key)}-b{args.batch_size}.txt").write_text(m.pop("top"))
         summary = {
             "gpu": harness.device_name(device), "torch": torch.__version__,
             "case": f"{args.size} ctx{args.context_length} b{args.batch_size}/rank",
@@ -214,7 +285,9 @@ def main(argv: list[str] | None = None) -> None:
         }  # fmt: skip
         path = args.out / f"timeline-b{args.batch_size}.json"
         path.write_text(json.dumps(summary, indent=1) + "\n")
-        print(f"wrote {path}")
+        with path.with_suffix(".csv").open("w", newline="") as out:
+            write_summary(path, out)
+        print(f"wrote {path} and {path.with_suffix('.csv')}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

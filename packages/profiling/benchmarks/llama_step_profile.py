@@ -16,6 +16,11 @@ with their launches per step. Needs a CUDA GPU and transformers.
 
     python packages/profiling/benchmarks/llama_step_profile.py --provider llmsys
     python packages/profiling/benchmarks/llama_step_profile.py --case decode --provider int8-fused
+
+``--summarize REPORT...`` writes reports printed earlier (saved to files) to stdout as one CSV,
+without measuring: a row per step time and per category of each report; with ``--kernels``, a
+row per kernel each report lists, with the category today's patterns give it and its time per
+launch.
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ import argparse
 import collections
 import contextlib
 import copy
+import csv
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -45,6 +53,10 @@ CATEGORIES = (  # (name, kernel-name pattern); the first match wins
     ("inductor triton", r"^triton_"),
     ("copies/elementwise", r"elementwise|copy|fill|reduce|vectorized|unrolled|Memcpy|Memset|cat"),
 )
+
+
+def category_of(kernel: str) -> str:
+    return next((c for c, rx in CATEGORIES if re.search(rx, kernel, re.I)), "other")
 
 
 def events_ms(fn: Callable[[], object], calls: int) -> float:
@@ -72,8 +84,7 @@ def report(label: str, fn: Callable[[], object], steps: int, graph_ms: float | N
             calls[event.name] += 1
     per_category = collections.Counter()
     for name, ms in per_kernel.items():
-        category = next((c for c, rx in CATEGORIES if re.search(rx, name, re.I)), "other")
-        per_category[category] += ms
+        per_category[category_of(name)] += ms
     busy = sum(per_kernel.values())
     graph = f"; as a CUDA graph {graph_ms:.2f} ms" if graph_ms else ""
     print(
@@ -85,6 +96,74 @@ def report(label: str, fn: Callable[[], object], steps: int, graph_ms: float | N
     print("top kernels:")
     for name, ms in per_kernel.most_common(24):
         print(f"  {ms:7.3f} ms  {calls[name] // steps:4d}/step  {name[:110]}")
+
+
+# The lines report() prints: its first, each category's and each top kernel's.
+STEP = re.compile(
+    r"(?P<profile>.+?): step (?P<step>[\d.]+) ms \(CUDA events\)"
+    r"(?:; as a CUDA graph (?P<graph>[\d.]+) ms)?[;,] GPU kernel time (?P<busy>[\d.]+) ms/step"
+    r"(?: in (?P<kernels>\d+) kernels)?, idle (?P<idle>[\d.]+) ms"
+)
+CATEGORY = re.compile(r"  (?P<name>\S.*?) +(?P<ms>[\d.]+) ms +[\d.]+%")
+KERNEL = re.compile(r" +(?P<ms>[\d.]+) ms +(?P<launches>\d+)/step  (?P<name>.+)")
+STEP_FIELDS = ("report", "profile", "part", "name", "time_ms", "launches_per_step")
+KERNEL_FIELDS = ("report", "profile", "kernel", "category", "time_ms", "launches_per_step",
+                 "per_launch_us")  # fmt: skip
+
+
+def report_lines(report: str) -> Iterator[tuple[str, str, re.Match[str]]]:
+    """(profile, kind, match) for each line of the reports :func:`report` printed in ``report``:
+    kind "step", "category" or "kernel". Any other line (a note added to the file) is skipped."""
+    profile, listing = "", False
+    for line in report.splitlines():
+        if step := STEP.fullmatch(line):
+            profile, listing = step["profile"], False
+            yield profile, "step", step
+        elif line == "top kernels:":
+            listing = True
+        elif match := (KERNEL if listing else CATEGORY).fullmatch(line):
+            yield profile, "kernel" if listing else "category", match
+
+
+STEP_PARTS = (("step (CUDA events)", "step"), ("CUDA graph replay", "graph"),
+              ("GPU kernel time", "busy"), ("GPU idle", "idle"))  # fmt: skip
+
+
+def summary_rows(report: str, name: str) -> Iterator[dict]:
+    """CSV rows of the step times (part "step") and category totals ("category", as the report
+    filed them) of the reports in ``report`` (``name``: where they were saved)."""
+    for profile, kind, match in report_lines(report):
+        row = {"report": name, "profile": profile, "part": kind}
+        if kind == "step":
+            for part, group in STEP_PARTS:
+                time, launches = match[group], match["kernels"] if group == "busy" else None
+                if time is not None:
+                    yield {**row, "name": part, "time_ms": time, "launches_per_step": launches}
+        elif kind == "category":
+            yield {**row, "name": match["name"], "time_ms": match["ms"]}
+
+
+def kernel_rows(report: str, name: str) -> Iterator[dict]:
+    """CSV rows of the kernels the reports in ``report`` list: each with the category today's
+    patterns give it and its time per launch."""
+    for profile, kind, match in report_lines(report):
+        if kind != "kernel":
+            continue
+        launches = int(match["launches"])
+        yield {"report": name, "profile": profile, "kernel": match["name"],
+               "category": category_of(match["name"]), "time_ms": match["ms"],
+               "launches_per_step": launches,
+               "per_launch_us": f"{float(match['ms']) * 1e3 / launches:.4g}"}  # fmt: skip
+
+
+def summarize(paths: list[Path], kernels: bool) -> None:
+    """The reports saved at ``paths`` as one CSV to stdout: their steps and categories, or the
+    kernels they list."""
+    rows, fields = (kernel_rows, KERNEL_FIELDS) if kernels else (summary_rows, STEP_FIELDS)
+    writer = csv.DictWriter(sys.stdout, fields, lineterminator="\n")
+    writer.writeheader()
+    for path in paths:
+        writer.writerows(rows(path.read_text(), path.name))
 
 
 def train(args) -> None:
@@ -133,7 +212,7 @@ def serving(args) -> None:
                 report(label, step, args.steps, graph_ms)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", choices=("train", "prefill", "decode"), default="train")
     parser.add_argument(
@@ -155,7 +234,17 @@ def main() -> None:
     )
     parser.add_argument("--compiled", action="store_true", help="serving: compile the layers")
     parser.add_argument("--steps", type=positive_int, default=3, help="profiled steps (default 3)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--summarize", type=Path, nargs="+", metavar="REPORT",
+        help="reports printed earlier, saved to files: their steps and categories as one CSV "
+        "to stdout, nothing measured",
+    )  # fmt: skip
+    parser.add_argument("--kernels", action="store_true",
+                        help="with --summarize: the kernels the reports list instead")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.summarize:
+        summarize(args.summarize, args.kernels)
+        return
     training = args.case == "train"
     args.provider = args.provider or ("llmsys" if training else "int8-fused")
     if (args.provider in TRAIN_PROVIDERS) != training:

@@ -163,6 +163,14 @@ def test_rows_it_cannot_model_are_skipped():
     assert roofline_check.check_rows([unknown_gpu, other_unit, unknown_dtype]) == []
 
 
+def test_ratio_spread_is_the_median_smallest_and_largest():
+    checks = [
+        roofline_check.Check("k", "ours", "fwd", str(t), 1.0, t, "m") for t in (3.0, 1.0, 2.0, 4.0)
+    ]
+    assert roofline_check.ratio_spread(checks) == (3.0, 1.0, 4.0)  # of an even count: the upper
+    assert roofline_check.ratio_spread(checks[:3]) == (2.0, 1.0, 3.0)
+
+
 def test_summary_has_a_line_per_kernel_mode_and_provider():
     checks = roofline_check.check(KERNEL_CSV)
     summary = roofline_check.summary_markdown(checks)

@@ -179,11 +179,16 @@ def summary_markdown(checks: list[Check]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for (kernel, mode, provider), group in groups.items():
-        ratios = sorted(c.ratio for c in group)
-        median = ratios[len(ratios) // 2]
+        median, smallest, largest = ratio_spread(group)
         flagged = sum(c.flagged for c in group)
         lines.append(
-            f"| {kernel} | {mode} | {provider} | {len(group)} | {median:.2f} | {ratios[0]:.2f} | "
-            f"{ratios[-1]:.2f} | {flagged} |"
+            f"| {kernel} | {mode} | {provider} | {len(group)} | {median:.2f} | {smallest:.2f} | "
+            f"{largest:.2f} | {flagged} |"
         )
     return "\n".join(lines)
+
+
+def ratio_spread(checks: list[Check]) -> tuple[float, float, float]:
+    """The median (of an even count, the upper one), smallest and largest measured/predicted."""
+    ratios = sorted(c.ratio for c in checks)
+    return ratios[len(ratios) // 2], ratios[0], ratios[-1]
