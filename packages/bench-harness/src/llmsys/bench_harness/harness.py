@@ -534,6 +534,8 @@ def plot_vs_baseline(
 
     timed = [r for r in rows if r.mode != "host"]
     panels = sorted({panel(r) for r in timed})
+    # one color per provider in every panel, whichever providers a panel lacks
+    colors = {p: f"C{i % 10}" for i, p in enumerate(dict.fromkeys(r.provider for r in timed))}
     fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
     field, label = lower
     for col, key in enumerate(panels):
@@ -544,8 +546,8 @@ def plot_vs_baseline(
             speedups = [by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
             ratio = [1 / s if s else None for s in speedups]  # a gap where there is no baseline
             values = [getattr(by_x[x], field) if x in by_x else None for x in xs]
-            axes[0][col].plot(xs, ratio, marker="o", label=provider)
-            axes[1][col].plot(xs, values, marker="o", label=provider)
+            axes[0][col].plot(xs, ratio, marker="o", label=provider, color=colors[provider])
+            axes[1][col].plot(xs, values, marker="o", label=provider, color=colors[provider])
         target = (ratio_targets or {}).get(key[-1])
         if target:
             axes[0][col].axhline(target, color="gray", ls="--", lw=1)
