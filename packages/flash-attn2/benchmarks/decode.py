@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import statistics
 import time
 import warnings
@@ -193,12 +194,18 @@ def flashinfer_call(case: Case, q, k_cache, v_cache) -> Callable[[], torch.Tenso
 
 
 def refusal(error: BaseException, caught: list[warnings.WarningMessage]) -> str:
-    """Why a provider did not run: SDPA's own warnings (each backend says why it declined),
+    """Why a provider did not run: SDPA's own warnings (each backend it tried says why it
+    declined), less their source locations and the backends that ``sdpa_kernel`` turned off;
     else the error's first line."""
     if isinstance(error, torch.OutOfMemoryError):
         return "out of memory"
-    said = " ".join(" ".join(str(w.message).split()) for w in caught)  # one line for the CSV
-    return said or f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    said = []
+    for warning in caught:
+        text = re.sub(r"\(Triggered internally at [^)]*\)", "", str(warning.message))
+        text = " ".join(text.split())  # one line for the CSV
+        if not text.endswith(("not used because:", "has been runtime disabled.")):
+            said.append(text)
+    return " ".join(said) or f"{type(error).__name__}: {str(error).splitlines()[0]}"
 
 
 def providers(case: Case, q, k_cache, v_cache, lengths, device: str):
@@ -374,8 +381,12 @@ def _ratio(row: results.Row) -> str:
 
 def plot(rows: list[results.Row], path: Path) -> Path:
     """Per (dtype, mode): time over the fastest SDPA backend's (dashed: issue 46's 1.3x faster)
-    and the fraction of copy bandwidth (dashed: its 80%)."""
-    timed = [r for r in rows if r.mode in (EAGER, GRAPH) and r.p50 == r.p50]  # not NaN
+    and the fraction of copy bandwidth (dashed: its 80%). ``sdpa_math``, tens of times slower,
+    is left out (it is in the CSV)."""
+    timed = [
+        r for r in rows
+        if r.mode in (EAGER, GRAPH) and r.p50 == r.p50 and r.provider != "sdpa_math"  # not NaN
+    ]  # fmt: skip
     return harness.plot_vs_baseline(
         timed, path, title=f"decode attention on {timed[0].gpu}",
         panel=lambda r: (r.dtype, r.mode), lower=("roofline_fraction", "of copy bandwidth"),
