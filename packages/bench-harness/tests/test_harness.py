@@ -37,6 +37,28 @@ def test_cpu_timer_orders_quantiles():
     assert 0 < p20 <= p50 <= p80
 
 
+def test_side_by_side_timer_takes_turns_in_alternating_order():
+    calls = []
+    times = harness.time_ms_side_by_side(
+        [lambda: calls.append("a"), lambda: calls.append("b")], rep_ms=0, device="cpu"
+    )
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then 3 rounds
+    assert len(times) == 2 and all(0 <= p20 <= p50 <= p80 for p20, p50, p80 in times)
+    with pytest.raises(ValueError, match="fns must hold at least one callable, got none"):
+        harness.time_ms_side_by_side([], device="cpu")
+    with pytest.raises(ValueError, match="flush_by must be 'write' or 'read', got 'clean'"):
+        harness.time_ms_side_by_side([lambda: None], device="cpu", flush_by="clean")
+
+
+@pytest.mark.gpu
+def test_side_by_side_timer_times_each_fn_alone_on_the_gpu():
+    small, large = torch.randn(2**10, device="cuda"), torch.randn(2**26, device="cuda")
+    (_, fast, _), (_, slow, _) = harness.time_ms_side_by_side(
+        [lambda: small.mul_(1.0), lambda: large.mul_(1.0)], rep_ms=20, flush_bytes=2**24
+    )
+    assert 0 < fast < slow  # 4 KiB against 256 MiB read and written
+
+
 def test_call_times_ms_times_each_call_after_the_warmup():
     calls = []
     times = harness.call_times_ms(lambda: calls.append(1), reps=5, warmup=2, device="cpu")

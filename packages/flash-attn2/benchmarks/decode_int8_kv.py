@@ -35,8 +35,9 @@ import torch
 
 import llmsys.bench_harness as harness
 from llmsys.bench_harness import results
-from llmsys.flash_attn2 import __version__, append_kv_int8, decode_attention
+from llmsys.flash_attn2 import append_kv_int8, decode_attention
 
+decode_common = harness.load_beside(__file__, "decode_common")  # spec, errors, stamp
 RESULTS = Path(__file__).parent / "results"
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 GPU_CASES = [(batch, context) for batch in (1, 8) for context in (1024, 4096, 16384, 32768)]
@@ -72,21 +73,6 @@ def quantized(k_cache, v_cache):
     return k_int8, v_int8, k_scale, v_scale
 
 
-def spec(q, k_cache, v_cache):
-    """float64 attention of the one new query per sequence over its whole cache, the query
-    heads grouped per kv head (no copy of the cache to every query head)."""
-    _, heads, _, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    q5 = q.double().unflatten(1, (kv_heads, heads // kv_heads))  # (B, H_KV, G, 1, D)
-    k, v = k_cache.double().unsqueeze(2), v_cache.double().unsqueeze(2)  # (B, H_KV, 1, N, D)
-    scores = q5 @ k.transpose(-2, -1) / math.sqrt(head_dim)  # (B, H_KV, G, 1, N)
-    return (torch.softmax(scores, dim=-1) @ v).flatten(1, 2)  # (B, H, 1, D)
-
-
-def relative_error(got, want) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 def measure(batch, heads, kv_heads, context, head_dim, keys, device, stamp, bandwidth):
     """The rows of one case (see the module docstring)."""
     q, k_cache, v_cache = make_case(batch, heads, kv_heads, context, head_dim, keys, device)
@@ -100,7 +86,7 @@ def measure(batch, heads, kv_heads, context, head_dim, keys, device, stamp, band
         return decode_attention(q, k_int8, v_int8, lengths, k_scale=k_scale, v_scale=v_scale)
 
     out_fp16, out_int8 = decode_fp16(), decode_int8()
-    want = spec(q, k_cache, v_cache)
+    want = decode_common.spec(q, k_cache, v_cache)
     x = f"{batch}x{heads}x{kv_heads}x{context}x{head_dim}"
     common = {"kernel": "decode_attention", "x": x, "dtype": "float16", **stamp}
     nan = float("nan")
@@ -112,6 +98,7 @@ def measure(batch, heads, kv_heads, context, head_dim, keys, device, stamp, band
         )  # fmt: skip
 
     max_abs = (out_int8.double() - out_fp16.double()).abs().max().item()
+    relative_error = decode_common.relative_error
     rows = [
         error_row("int8 cache", "max abs error vs fp16 cache", max_abs),
         error_row("int8 cache", "relative error vs fp16 cache", relative_error(out_int8, out_fp16)),
@@ -160,11 +147,7 @@ def main(argv: list[str] | None = None) -> list[results.Row]:
     else:
         heads, kv_heads, head_dim = CPU_SHAPE
         cases, bandwidth = CPU_QUICK if args.quick else CPU_CASES, None
-    stamp = {
-        "gpu": results.device_name(args.device),
-        "version": f"llmsys-flash-attn2 {__version__}, torch {torch.__version__}",
-        "timestamp": results.timestamp(),
-    }
+    stamp = decode_common.stamp(args.device)
     started, rows = time.perf_counter(), []
     with harness.progress_bar(desc="int8 KV cache cases", total=len(cases) * len(KEYS)) as bar:
         for batch, context in cases:

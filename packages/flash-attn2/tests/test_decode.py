@@ -6,12 +6,14 @@ the GPU tests run a Llama-3.1-8B-like shape against SDPA and in a CUDA graph.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from attn_helpers import REL_TOL, relative_error
 from decode_helpers import SMALL_CHUNK, decode_reference, make_cache, set_decode_switch
 
+from llmsys.bench_harness import load_beside, read_rows
 from llmsys.flash_attn2 import decode, decode_attention, ops
 from llmsys.triton_launch import forget
 
@@ -102,6 +104,24 @@ def test_op_by_name_traces_and_refuses_grad():
         torch.ops.llmsys.flash_attn2_decode(*args)
     with torch.no_grad():
         assert decode_attention(q, args[1], args[2], args[3]).shape == (2, 4, 1, 8)
+
+
+def test_benchmark_script_runs_on_cpu(tmp_path):
+    # benchmarks/decode.py --quick on CPU: one tiny grouped-query case with 4 new tokens, ours and
+    # SDPA's math backend (given the bottom-right causal mask) against the float64 spec, in a CSV.
+    script = Path(__file__).parents[1] / "benchmarks" / "decode.py"
+    rows = load_beside(script, "decode").main(
+        ["--device", "cpu", "--quick", "--out", str(tmp_path)]
+    )
+    written = read_rows(tmp_path / "decode_cpu.csv")
+    assert [(r.provider, r.mode, r.x) for r in written] == [
+        ("ours", "relative error vs float64 spec", "2x4x2x48x32 q4"),
+        ("sdpa_math", "relative error vs float64 spec", "2x4x2x48x32 q4"),
+        ("ours", "max abs difference vs sdpa_math", "2x4x2x48x32 q4"),
+    ]
+    assert [r.throughput for r in written] == pytest.approx([r.throughput for r in rows])
+    ours, sdpa_math, difference = (r.throughput for r in written)
+    assert 0 < ours < 1e-5 and 0 < sdpa_math < 1e-5 and difference < 1e-5  # float32
 
 
 # --- bad input -----------------------------------------------------------------------------------

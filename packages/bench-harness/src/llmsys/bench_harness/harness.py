@@ -60,6 +60,7 @@ __all__ = [
     "sweep_command",
     "sweep_main",
     "time_ms",
+    "time_ms_side_by_side",
     "timestamp",
     "torchrun",
     "write_csv",
@@ -94,7 +95,8 @@ def time_ms(
         raise ValueError(f"flush_by must be 'write' or 'read', got {flush_by!r}")
     if torch.device(device).type == "cuda":
         if flush_bytes is not None:
-            return _flushed_event_times(fn, device, grad_to_none, rep_ms, flush_bytes, flush_by)
+            times = _flushed_turns([fn], device, grad_to_none, rep_ms, flush_bytes, flush_by)
+            return times[0]
         import triton.testing
 
         p20, p50, p80 = triton.testing.do_bench(
@@ -186,41 +188,91 @@ def _clear_grads(tensors: Iterable[torch.Tensor] | None) -> None:
         t.grad = None
 
 
-def _flushed_event_times(
-    fn: Callable[[], object],
+def time_ms_side_by_side(
+    fns: Sequence[Callable[[], object]],
+    *,
+    rep_ms: int = 200,
+    flush_bytes: int = 2**30,
+    flush_by: str = "read",
+    device: str | torch.device = "cuda",
+) -> list[tuple[float, float, float]]:
+    """(p20, p50, p80) of one call of each of ``fns`` in milliseconds, their calls taking turns.
+
+    On CUDA, rounds of one call of each fn, in the reverse order every other round, each call
+    after a flush of ``flush_bytes`` (``flush_by``: "read" or "write", as in :func:`time_ms`) and
+    timed alone by CUDA events around it; as many rounds as fit ``rep_ms`` (10 to 200). Clocks
+    or neighbours that drift during the measurement move every fn alike, and no fn always runs
+    after the same other. The flush also keeps the GPU busy while the host enqueues the next
+    call, so host cost stays out of the times (up to about 0.35 ms per GiB flushed on an H100).
+    On CPU: the host clock around each call, rounds taking turns the same way for ``rep_ms``
+    (3 to 100 rounds), no flush (smoke runs only).
+
+    Raises:
+        ValueError: ``flush_by`` is not "write" or "read", or ``fns`` is empty.
+    """
+    if flush_by not in ("write", "read"):
+        raise ValueError(f"flush_by must be 'write' or 'read', got {flush_by!r}")
+    if not fns:
+        raise ValueError("fns must hold at least one callable, got none")
+    if torch.device(device).type == "cuda":
+        return _flushed_turns(fns, device, None, rep_ms, flush_bytes, flush_by)
+    samples: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    turns = list(zip(fns, samples, strict=True))
+    deadline, rounds = time.perf_counter() + rep_ms / 1000, 0
+    while rounds < 3 or (time.perf_counter() < deadline and rounds < 100):
+        for fn, times in turns if rounds % 2 == 0 else reversed(turns):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1000)
+        rounds += 1
+    return [quantiles(times) for times in samples]
+
+
+def _flushed_turns(
+    fns: Sequence[Callable[[], object]],
     device: str | torch.device,
     grad_to_none: Iterable[torch.Tensor] | None,
     rep_ms: int,
     flush_bytes: int,
     flush_by: str,
-) -> tuple[float, float, float]:
-    """CUDA events around each call, with ``flush_bytes`` written or read before it."""
+) -> list[tuple[float, float, float]]:
+    """CUDA events around each call of each fn, rounds taking turns (order reversed every other
+    round), ``flush_bytes`` written or read before every call."""
     flush = torch.zeros(flush_bytes // 4, dtype=torch.int32, device=device)
     total = torch.empty((), dtype=torch.int32, device=device)
-    fn()  # warm-up: compile, tune
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end), 1e-3)
-    reps = int(min(200, max(10, rep_ms / estimate)))
-    pairs = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+    estimate = 0.0
+    for fn in fns:
+        fn()  # warm-up: compile, tune
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        estimate += start.elapsed_time(end)
+    reps = int(min(200, max(10, rep_ms / max(estimate, 1e-3))))
+    events = [
+        [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
         for _ in range(reps)
     ]
-    for begin, finish in pairs:
-        _clear_grads(grad_to_none)
-        if flush_by == "write":
-            flush.zero_()
-        else:
-            torch.sum(flush, dim=0, out=total)
-        begin.record()
-        fn()
-        finish.record()
+    for r, pairs in enumerate(events):
+        turns = list(zip(fns, pairs, strict=True))
+        for fn, (begin, finish) in turns if r % 2 == 0 else reversed(turns):
+            _clear_grads(grad_to_none)
+            if flush_by == "write":
+                flush.zero_()
+            else:
+                torch.sum(flush, dim=0, out=total)
+            begin.record()
+            fn()
+            finish.record()
     torch.cuda.synchronize()
-    return quantiles([begin.elapsed_time(finish) for begin, finish in pairs])
+    return [
+        quantiles([pairs[i][0].elapsed_time(pairs[i][1]) for pairs in events])
+        for i in range(len(fns))
+    ]
 
 
 def row(
@@ -482,6 +534,8 @@ def plot_vs_baseline(
 
     timed = [r for r in rows if r.mode != "host"]
     panels = sorted({panel(r) for r in timed})
+    # one color per provider in every panel, whichever providers a panel lacks
+    colors = {p: f"C{i % 10}" for i, p in enumerate(dict.fromkeys(r.provider for r in timed))}
     fig, axes = plt.subplots(2, len(panels), figsize=(4.5 * len(panels), 7), squeeze=False)
     field, label = lower
     for col, key in enumerate(panels):
@@ -492,8 +546,8 @@ def plot_vs_baseline(
             speedups = [by_x[x].speedup_vs_baseline if x in by_x else None for x in xs]
             ratio = [1 / s if s else None for s in speedups]  # a gap where there is no baseline
             values = [getattr(by_x[x], field) if x in by_x else None for x in xs]
-            axes[0][col].plot(xs, ratio, marker="o", label=provider)
-            axes[1][col].plot(xs, values, marker="o", label=provider)
+            axes[0][col].plot(xs, ratio, marker="o", label=provider, color=colors[provider])
+            axes[1][col].plot(xs, values, marker="o", label=provider, color=colors[provider])
         target = (ratio_targets or {}).get(key[-1])
         if target:
             axes[0][col].axhline(target, color="gray", ls="--", lw=1)
