@@ -14,7 +14,7 @@ from attn_helpers import REL_TOL, relative_error
 from decode_helpers import SMALL_CHUNK, decode_reference, make_cache, set_decode_switch
 
 from llmsys.bench_harness import load_beside, read_rows
-from llmsys.flash_attn2 import decode, decode_attention, ops
+from llmsys.flash_attn2 import decode, decode_attention, ops, tuning
 from llmsys.triton_launch import forget
 
 
@@ -258,3 +258,14 @@ def test_gpu_default_chunk_against_the_float64_spec():
     # The default chunk and tiles on the GPU, q_len 16, against the spec per sequence.
     lengths = [16, 777, 2048]
     check_case(3, 32, 8, 16, 2048, 128, lengths, torch.float16, "cuda")
+
+
+def test_a_small_grid_takes_smaller_chunks():
+    """The chunk halves, down to the key tile, until the grid has two programs per SM."""
+    config = tuning.DecodeConfig(chunk=256, block_n=64)
+    # batch 1, 8 kv heads, 1024 keys on 132 SMs: 4 splits x 8 = 32 programs -> chunk 64 (128)
+    assert tuning.decode_chunk(config, 1024, 8, 132) == 64
+    assert tuning.decode_chunk(config, 8192, 8, 132) == 128  # 64 x 8 = 512 >= 264
+    assert tuning.decode_chunk(config, 1024, 8 * 32, 132) == 256  # batch 32: big enough
+    assert tuning.decode_chunk(config, 100, 1, 132) == 64  # never below the key tile
+    assert tuning.decode_chunk(config, 1024, 8, 1) == 256  # the interpreter's one "SM"

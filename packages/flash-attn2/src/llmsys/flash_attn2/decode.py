@@ -50,12 +50,13 @@ from llmsys.triton_launch import (
     define_op,
     launch,
     next_power_of_2,
+    sm_count,
     wants_grad,
 )
 
 from . import ops
 from .kernels import LOG2E, _dot
-from .tuning import block_d, decode_config
+from .tuning import block_d, decode_chunk, decode_config
 
 OP = "flash_attn2_decode"
 MAX_Q_LEN = 16
@@ -467,8 +468,6 @@ def flash_attn2_decode_impl(
         out.copy_(fallback)
         return out
     config = decode_config(d, q.dtype)
-    chunk = CHUNK or config.chunk
-    block_n = min(config.block_n, chunk)
     group = heads // kv_heads
     block_m = min(max(16, next_power_of_2(group * q_len)), MAX_BLOCK_M)
     row_programs = kv_heads * cdiv(group * q_len, block_m)
@@ -477,6 +476,9 @@ def flash_attn2_decode_impl(
             f"{OP}: {batch} sequences and {row_programs} (kv head, row tile) programs do not fit "
             f"a CUDA grid (at most {MAX_GRID_YZ} each)"
         )
+    sms = sm_count(q.device) if q.is_cuda else 1
+    chunk = CHUNK or decode_chunk(config, capacity, row_programs * batch, sms)
+    block_n = min(config.block_n, chunk)
     num_splits = cdiv(capacity, chunk)
     m_part = ops._alloc(q, (batch, heads, q_len, num_splits), torch.float32)
     l_part = ops._alloc(q, (batch, heads, q_len, num_splits), torch.float32)

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from llmsys.triton_launch import next_power_of_2
+from llmsys.triton_launch import cdiv, next_power_of_2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +93,30 @@ class DecodeConfig:
     num_stages: int = 2
 
 
-# Not measured yet (issue 46 asks for the GPU sweep): a first guess, 256 keys per program so that
-# a 4k cache gives 16 splits per (sequence, kv head) and the combine pass reads a few percent of
-# the KV bytes. float32 (tests) takes smaller key tiles.
+# A first guess (issue 46 asks for the GPU sweep): at most 256 keys per program, so that a 4k
+# cache gives 16 splits per (sequence, kv head) and the combine pass reads a few percent of the
+# KV bytes. float32 (tests) takes smaller key tiles. `decode_chunk` halves the chunk for small
+# grids.
 _DECODE_16BIT = DecodeConfig(chunk=256, block_n=64)
 _DECODE_32BIT = DecodeConfig(chunk=256, block_n=32)
+# Programs per SM below which the chunk is halved. The first H100 run (benchmarks/decode.py,
+# batch 1, 8 kv heads) read 70% of copy bandwidth at context 32768 (1,024 programs) and 8% at
+# 1024 (32 programs on 132 SMs): a small grid leaves most SMs idle.
+DECODE_PROGRAMS_PER_SM = 2
 
 
 def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The decode kernel's chunk and key tile for this head dim and dtype (unmeasured)."""
+    """The decode kernel's largest chunk and key tile for this head dim and dtype."""
     return _DECODE_32BIT if dtype == torch.float32 else _DECODE_16BIT
+
+
+def decode_chunk(config: DecodeConfig, capacity: int, programs_per_split: int, sms: int) -> int:
+    """Keys per program: ``config.chunk``, halved (down to ``config.block_n``) while the grid,
+    ``ceil(capacity / chunk)`` splits times ``programs_per_split``, has fewer than
+    ``DECODE_PROGRAMS_PER_SM`` programs for each of the ``sms`` SMs."""
+    chunk = config.chunk
+    while chunk > config.block_n and (
+        cdiv(capacity, chunk) * programs_per_split < DECODE_PROGRAMS_PER_SM * sms
+    ):
+        chunk //= 2
+    return chunk
