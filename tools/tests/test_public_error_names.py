@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmsys.flash_attn2 import append_kv_int8, decode_attention, flash_attention
-from llmsys.kernels_fused import linear_cross_entropy, rotary
+from llmsys.kernels_fused import linear_cross_entropy, rotary, rotary_into_cache
 from llmsys.kernels_int8 import (
     matmul_int8,
     matmul_quantize_int8,
@@ -33,6 +33,11 @@ def int8_cache():
     return cache, cache.clone(), scale, scale.clone()
 
 
+def qkv_cos_sin():
+    """q (1 sequence, 2 heads, 1 new token, head dim 8), k and v (1 kv head), cos and sin."""
+    return r(1, 2, 1, 8), r(1, 1, 1, 8), r(1, 1, 1, 8), r(1, 1, 8), r(1, 1, 8)
+
+
 CASES = {
     "swiglu": (lambda g: swiglu(r(3, grad=g), r(4)), ValueError, r"`b` must have the shape"),
     "flash_attention": (
@@ -54,6 +59,13 @@ CASES = {
         lambda g: rotary(r(1, 2, 4, 8, grad=g), r(1, 2, 4, 8), r(1, 4, 8), r(1, 5, 8)),
         ValueError,
         r"`sin` must have the shape of `cos`",
+    ),
+    "rotary_into_cache": (
+        lambda g: rotary_into_cache(
+            *qkv_cos_sin(), r(1, 1, 4, 8), r(1, 1, 5, 8), torch.tensor([2])
+        ),
+        ValueError,
+        r"`v_cache` must have the shape of `k_cache`",
     ),
     "linear_cross_entropy": (
         lambda g: linear_cross_entropy(r(4, 8, grad=g), r(10, 9), torch.zeros(4, dtype=torch.long)),

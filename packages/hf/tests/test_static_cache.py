@@ -13,7 +13,7 @@ import pytest
 import torch
 from hf_models import build
 
-from llmsys.hf import apply_llmsys, cached_forward, generate, quantize_model
+from llmsys.hf import apply_llmsys, cached_forward, forwards, generate, quantize_model
 from llmsys.hf import attention as hf_attention
 from llmsys.hf.generation import sliding_layers
 from llmsys_dev.compare import relative_error
@@ -123,6 +123,90 @@ def test_generate_reads_the_static_cache_through_flash_attn2_as_sdpa_would(rewri
     assert seen["decode"] == [
         (end - start, *buffers, [end] * 2 if on_cpu else None) for start, end in segments
     ]
+
+
+@contextlib.contextmanager
+def fused_appends(enabled: bool = True):
+    """Counts the ``rotary_into_cache`` calls of llmsys.hf's attention forward (the fused
+    rotary and cache append); with ``enabled=False`` no forward takes that route (every one
+    rotates, then calls ``cache.update``)."""
+    calls = []
+    fused = forwards.rotary_into_cache
+
+    def spy(*args):
+        calls.append(args[1].shape[2])  # new tokens
+        return fused(*args)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(forwards, "rotary_into_cache", spy))
+        if not enabled:
+            off = mock.patch.object(forwards, "appendable_static_layer", lambda *args: None)
+            stack.enter_context(off)
+        yield calls
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "config"),
+    [("apply_llmsys", {}), ("quantize_model", {"num_key_value_heads": 1})],
+    ids=["apply_llmsys-gqa2", "quantize_model-gqa4"],
+)
+def test_fused_rotary_and_append_write_the_unfused_cache(rewrite, config, device):
+    """A decode step over transformers' StaticLayer rotates and appends in one launch
+    (``rotary_into_cache``), once per layer and step: ``generate`` gives the tokens of rotary
+    then ``cache.update``, and the cache and its lengths after a prompt, a one-token and a
+    two-token step are the same to the bit."""
+    served, _ = served_and_sdpa(rewrite, device, **config)  # 2 layers
+    layers = len(served.model.layers)
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(6)).to(device)
+    with fused_appends() as calls:
+        tokens = generate(served, ids, NEW)
+    # the prompt allocates each layer's cache through cache.update; then NEW - 1 steps of 1
+    assert calls == [1] * (NEW - 1) * layers
+    with fused_appends(enabled=False) as calls:
+        assert torch.equal(generate(served, ids, NEW), tokens)
+    assert calls == []
+
+    segments = [(0, 5), (5, 6), (6, 8)]
+    with fused_appends() as calls:
+        fused_logits, fused_cache = logits_over_a_static_cache(served, tokens, segments)
+    assert calls == [1] * layers + [2] * layers
+    with fused_appends(enabled=False):
+        logits, cache = logits_over_a_static_cache(served, tokens, segments)
+    torch.testing.assert_close(fused_logits, logits, rtol=0, atol=0)
+    for fused_layer, layer in zip(fused_cache.layers, cache.layers, strict=True):
+        assert torch.equal(fused_layer.keys, layer.keys)
+        assert torch.equal(fused_layer.values, layer.values)
+        assert torch.equal(fused_layer.cumulative_length, layer.cumulative_length)
+    assert cache.layers[0].cumulative_length.item() == 8
+
+
+def test_what_the_fused_append_does_not_fit_goes_through_cache_update(device):
+    """No ``rotary_into_cache`` where its append is not what ``cache.update`` does or its rotary
+    not the model's: a sliding-window layer (whose ``update`` also counts on the host) and a
+    partial rotary read the cache through ``decode_attention`` after ``cache.update``; a
+    forward that wants gradients goes that way too, to ``decode_attention``'s refusal."""
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(7)).to(device)
+    # the prompt, then two steps; a slot left (a step into a sliding-window layer's last slot is
+    # attention over the whole sequence so far, not the verdict)
+    segments = [(0, 5), (5, 6), (6, 7)]
+    fa2 = hf_attention.register_flash_attention()
+    window = rotary_only(fa2, device, family="mistral", sliding_window=32)
+    window.config.partial_rotary_factor = 1.0  # full-width again: only the layer is unfit
+    partial = rotary_only(fa2, device)
+    for model, layer_type in ((window, "StaticSlidingWindowLayer"), (partial, "StaticLayer")):
+        with fused_appends() as calls, routes() as seen:
+            _, cache = logits_over_a_static_cache(model, ids, segments)
+        assert type(cache.layers[0]).__name__ == layer_type
+        assert calls == [] and [n for n, *_ in seen["decode"]] == [5, 1, 1]
+
+    partial.config.partial_rotary_factor = 1.0  # fit but for the gradient
+    cache = transformers.StaticCache(config=partial.config, max_cache_len=7)
+    call = cached_forward(partial, cache)
+    with torch.no_grad():
+        call(ids[:, :5], torch.arange(5, device=device).expand(2, -1))
+    with fused_appends() as calls, pytest.raises(RuntimeError, match="inference-only"):
+        call(ids[:, 5:6], torch.full((2, 1), 5, device=device))
+    assert calls == []
 
 
 def rotary_only(implementation: str, device, family: str = "llama", **config):

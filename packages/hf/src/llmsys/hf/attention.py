@@ -31,8 +31,13 @@ forward) and which no real mask is (no keys). The attention forward of ``apply_l
 rotary part) and of ``quantize_model`` serves it (:func:`static_cache_attention`): at most 16
 new tokens through ``decode_attention``, reading the cache's own tensors in place with the
 cache's length on the device (no host sync: a CUDA graph replays it), more (a prompt into an
-empty cache) through ``flash_attention`` on the new keys and values. transformers' own attention
-forward hands it to the attention function, which refuses it: it cannot know the lengths.
+empty cache) through ``flash_attention`` on the new keys and values. Where the cache and its
+layer are transformers' own (``Cache.update``, ``StaticLayer.update``, allocated, not
+offloading), such a step of at most 16 tokens skips ``cache.update``: the rotary kernel writes
+the new keys and values into the layer itself (``llmsys.kernels_fused.rotary_into_cache``,
+:func:`appendable_static_layer`) and the forward advances the layer's length as ``update``
+would. transformers' own attention forward hands the verdict to the attention function, which
+refuses it: it cannot know the lengths.
 
 ``"llmsys_serve"`` (:func:`register_serving_attention`; ``quantize_model`` sets it) is SDPA but
 for that verdict: a forward over a static cache that is plain causal attention goes through
@@ -461,8 +466,48 @@ def static_cache_attention(
             module.config._attn_implementation,
         )
     if query.shape[2] <= MAX_Q_LEN:
-        lengths = layer.cumulative_length.expand(query.shape[0])  # one for every sequence
-        out = decode_attention(query, keys, values, lengths, sm_scale=module.scaling)
-    else:
-        out = flash_attention(query, new_key, new_value, causal=True, scale=module.scaling)
+        return static_layer_decode(module, query, layer)
+    out = flash_attention(query, new_key, new_value, causal=True, scale=module.scaling)
     return out.transpose(1, 2).contiguous()
+
+
+def static_layer_decode(module: Any, query: torch.Tensor, layer: Any) -> torch.Tensor:
+    """``decode_attention`` of ``query`` ``(B, H, N, d)`` (at most 16 new tokens, already in the
+    cache) over a static cache layer's own buffers, in place, with the layer's length on the
+    device as each sequence's: ``(B, N, H, d)``, contiguous."""
+    lengths = layer.cumulative_length.expand(query.shape[0])  # one for every sequence
+    out = decode_attention(query, layer.keys, layer.values, lengths, sm_scale=module.scaling)
+    return out.transpose(1, 2).contiguous()
+
+
+def appendable_static_layer(
+    module: Any, key: torch.Tensor, attention_mask: object, cache: Any
+) -> Any | None:
+    """The layer of ``cache`` that the new keys and values of ``module``'s forward can be
+    written to by the rotary kernel itself (``llmsys.kernels_fused.rotary_into_cache``) in place
+    of ``cache.update``, or None where they go through ``cache.update``.
+
+    That is transformers' ``StaticLayer.update`` done in the kernel: the rows from the layer's
+    ``cumulative_length`` on, which its caller then advances in place as ``update`` does. So it
+    needs the mask function's verdict (:func:`static_cache_mask`) for at most 16 new tokens
+    (decoded in place after), a cache and a layer whose ``update`` is transformers' own
+    ``Cache.update`` and ``StaticLayer.update`` (not a sliding-window or quantized layer, nor a
+    subclass that adds to them), no offloading (``Cache.update`` moves layers then), a layer
+    already allocated (by its first ``update``) in ``key``'s dtype, and no attention dropout
+    (which :func:`static_cache_attention` refuses)."""
+    if not is_static_cache_mask(attention_mask) or key.shape[2] > MAX_Q_LEN:
+        return None
+    from transformers.cache_utils import Cache, StaticLayer
+
+    layers = getattr(cache, "layers", ())
+    if (
+        getattr(type(cache), "update", None) is not Cache.update
+        or getattr(cache, "offloading", True)
+        or module.layer_idx >= len(layers)
+        or (module.training and module.attention_dropout)
+    ):
+        return None
+    layer = layers[module.layer_idx]
+    if getattr(type(layer), "update", None) is not StaticLayer.update or not layer.is_initialized:
+        return None
+    return layer if layer.keys.dtype == key.dtype else None

@@ -12,7 +12,8 @@ to transformers' own forward of the module's class:
     attention       ``rotary_attention_forward``: the q, k and v projections, then
                     ``rotary_attention``: ``rotary`` on q and k in one launch, the KV cache and
                     the attention implementation the config names (``llmsys_fa2`` after
-                    ``apply_llmsys``), a static KV cache read by flash-attn2's decode kernel;
+                    ``apply_llmsys``), a static KV cache read by flash-attn2's decode kernel
+                    (a decode step's rotary and append to it one ``rotary_into_cache`` launch);
                     the W8A8 attention calls ``rotary_attention`` with the three column ranges
                     of its fused q|k|v projection
     causal LM       with ``labels=``, the loss from the last hidden states through
@@ -29,9 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from llmsys.kernels_fused import causal_lm_loss, rms_norm, rotary
+from llmsys.kernels_fused import causal_lm_loss, rms_norm, rotary, rotary_into_cache
 
-from .attention import is_static_cache_mask, static_cache_attention
+from .attention import (
+    appendable_static_layer,
+    is_static_cache_mask,
+    static_cache_attention,
+    static_layer_decode,
+)
 from .rewrite import original_class
 
 
@@ -108,8 +114,13 @@ def rotary_attention(
     (5.17). Where the mask function found plain causal attention over a static KV cache
     (``attention.static_cache_mask``: ``llmsys_fa2`` and ``llmsys_serve`` give it), the
     attention reads that cache through flash-attn2 (``attention.static_cache_attention``); else
-    it is the configured implementation's. Returns ``(output, attention weights or None)`` as
-    transformers' attention does."""
+    it is the configured implementation's. A decode step of that kind (at most 16 new tokens,
+    full-width rotary, no gradient) over transformers' own ``StaticLayer``, allocated and not
+    offloaded (``attention.appendable_static_layer``), skips ``cache.update``: one
+    ``rotary_into_cache`` launch rotates q, rotates k into the cache and copies v there, the
+    layer's length advances in place as ``StaticLayer.update`` advances it, and
+    ``decode_attention`` reads the cache (``attention.static_layer_decode``). Returns
+    ``(output, attention weights or None)`` as transformers' attention does."""
     cache = kwargs.pop("cache", None)
     legacy_cache = kwargs.pop("past_key_values", None)
     input_shape = query.shape[:-1]
@@ -118,7 +129,20 @@ def rotary_attention(
     key = key.view(hidden_shape).transpose(1, 2)  # (B, H_kv, N, d)
     value = value.view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
-    if full_width_rotary(attn.config):
+    the_cache = cache if cache is not None else legacy_cache
+    full_width = full_width_rotary(attn.config)
+    layer = None
+    if full_width and not _grad_wanted(query, key, value, cos, sin):
+        layer = appendable_static_layer(attn, key, attention_mask, the_cache)
+    if layer is not None:
+        # A decode step over a static cache: q rotated, k rotated into the cache and v copied
+        # there in one launch (rotary, then StaticLayer.update), then decode over the cache.
+        lengths = layer.cumulative_length.expand(key.shape[0])  # the rows before the append
+        query = rotary_into_cache(query, key, value, cos, sin, layer.keys, layer.values, lengths)
+        layer.cumulative_length.add_(key.shape[2])  # in place, as StaticLayer.update counts
+        output = static_layer_decode(attn, query, layer)
+        return attn.o_proj(output.reshape(*input_shape, -1).contiguous()), None
+    if full_width:
         query, key = rotary(query, key, cos, sin)
     else:
         family = sys.modules[type(attn).__module__]
@@ -129,7 +153,6 @@ def rotary_attention(
     elif legacy_cache is not None:
         key, value = legacy_cache.update(key, value, attn.layer_idx)
     if is_static_cache_mask(attention_mask):  # the mask function's verdict: plain causal
-        the_cache = cache if cache is not None else legacy_cache
         output = static_cache_attention(attn, query, new_key, new_value, key, value, the_cache)
         weights = None
     else:
@@ -148,6 +171,10 @@ def rotary_attention(
         )
     output = output.reshape(*input_shape, -1).contiguous()
     return attn.o_proj(output), weights
+
+
+def _grad_wanted(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def rotary_attention_forward(

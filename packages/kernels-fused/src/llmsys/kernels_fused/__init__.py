@@ -1,6 +1,6 @@
 """Fused transformer-layer kernels in Triton: RMSNorm (with the residual add), rotary embeddings on
-q and k in one launch, and the output projection fused with cross-entropy so the logits are never
-materialised.
+q and k in one launch (also with a decode step's KV-cache append: ``rotary_into_cache``), and the
+output projection fused with cross-entropy so the logits are never materialised.
 
 Importing this package registers its ``torch.ops.llmsys_fused`` ops.
 """
@@ -16,6 +16,7 @@ from .reference import (
 )
 from .rms_norm import rms_norm
 from .rotary import apply_rotary_pos_emb, rotary
+from .rotary_cache import rotary_into_cache
 
 __version__ = "0.1.0"
 
@@ -32,5 +33,6 @@ __all__ = [
     "rms_norm_reference",
     "rotary",
     "rotary_backward_reference",
+    "rotary_into_cache",
     "rotary_reference",
 ]

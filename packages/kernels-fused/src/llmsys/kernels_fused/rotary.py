@@ -53,6 +53,28 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit
+def _load_cos_sin(
+    cos_ptr,  # cos[b, s, 0]
+    sin_ptr,  # sin[b, s, 0]
+    stride_cd,
+    stride_sd,
+    HALF: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """The halves of one position's cos and sin: four (1, BLOCK_HALF) tiles in COMPUTE_DTYPE."""
+    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask_d = offs_d < HALF
+    cos_ptrs = cos_ptr + offs_d * stride_cd
+    sin_ptrs = sin_ptr + offs_d * stride_sd
+    cos1 = tl.load(cos_ptrs, mask=mask_d, other=0.0).to(COMPUTE_DTYPE)
+    cos2 = tl.load(cos_ptrs + HALF * stride_cd, mask=mask_d, other=0.0).to(COMPUTE_DTYPE)
+    sin1 = tl.load(sin_ptrs, mask=mask_d, other=0.0).to(COMPUTE_DTYPE)
+    sin2 = tl.load(sin_ptrs + HALF * stride_sd, mask=mask_d, other=0.0).to(COMPUTE_DTYPE)
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr,  # x[b, 0, s, 0]
     out_ptr,  # out[b, 0, s, 0]
@@ -143,14 +165,15 @@ def rotary_kernel(
     b = pid // seq_len
     s = pid - b * seq_len
 
-    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
-    mask_d = offs_d < HALF
-    cos_ptrs = cos_ptr + b * stride_cb + s * stride_cs + offs_d * stride_cd
-    sin_ptrs = sin_ptr + b * stride_sb + s * stride_ss + offs_d * stride_sd
-    cos1 = tl.load(cos_ptrs, mask=mask_d, other=0.0).to(COMPUTE_DTYPE)
-    cos2 = tl.load(cos_ptrs + HALF * stride_cd, mask=mask_d, other=0.0).to(COMPUTE_DTYPE)
-    sin1 = tl.load(sin_ptrs, mask=mask_d, other=0.0).to(COMPUTE_DTYPE)
-    sin2 = tl.load(sin_ptrs + HALF * stride_sd, mask=mask_d, other=0.0).to(COMPUTE_DTYPE)
+    cos1, cos2, sin1, sin2 = _load_cos_sin(
+        cos_ptr + b * stride_cb + s * stride_cs,
+        sin_ptr + b * stride_sb + s * stride_ss,
+        stride_cd,
+        stride_sd,
+        HALF,
+        COMPUTE_DTYPE,
+        BLOCK_HALF,
+    )
 
     _rotate_heads(
         q_ptr + b * stride_qb + s * stride_qs,
