@@ -47,6 +47,12 @@ SERVE_COMMAND = (
 )
 
 # The two runs behind h100-serve-0.85b.csv, on one H100 host (each case from one of them).
+# The run behind h100-serve-8b-transformers-5.17.csv: the decode step reading its static cache
+# through flash-attn2 (issue 46), transformers 5.17 (whose SDPA path copies the GQA cache).
+SERVE_DECODE_COMMAND = (
+    "llmsys-bench serve --model 8b --providers fp16 int8-fused --prefill 1x1024 --decode 1 8 32 "
+    "--generate --context 1024"
+)
 SERVE_SMALL_COMMAND = (
     "llmsys-bench serve --model 0.85b --compile fp16 int8-fused --warmup 2 --reps 8 (cut off at "
     "decode batch 32); the same with --providers fp16 int8-fused (decode batch 32 and generate)"
@@ -290,6 +296,9 @@ TABLES = {
     ),
     "profiling-serve-8b": _serve_table("h100-serve-8b.csv", SERVE_COMMAND),
     "profiling-serve-0.85b": _serve_table("h100-serve-0.85b.csv", SERVE_SMALL_COMMAND),
+    "profiling-serve-8b-decode": _serve_table(
+        "h100-serve-8b-transformers-5.17.csv", SERVE_DECODE_COMMAND
+    ),
     "profiling-llama-training": Table(
         "profiling",
         "h100-llama-training.csv",
