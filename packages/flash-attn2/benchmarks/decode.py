@@ -109,18 +109,23 @@ BF16, FP16 = torch.bfloat16, torch.float16
 QUIZ = Case(batch=1, heads=64, kv_heads=64, q_len=16, context=8192, head_dim=128, dtype=BF16)
 
 
-def llama(batch: int, context: int, dtype: torch.dtype = BF16) -> Case:
-    """Llama-3.1-8B's decode attention: 32 query heads, 8 kv heads, head dim 128, one token."""
-    return Case(batch, heads=32, kv_heads=8, q_len=1, context=context, head_dim=128, dtype=dtype)
-
-
-HOST_CASE = llama(1, 1024)
+# Llama-3.1-8B's decode attention: 32 query heads, 8 kv heads, head dim 128, one new token.
+LLAMA = dict(heads=32, kv_heads=8, q_len=1, head_dim=128)
+HOST_CASE = Case(batch=1, context=1024, dtype=BF16, **LLAMA)
 GPU_CASES = [
     QUIZ,
-    *(llama(batch, context) for batch in (1, 8, 32, 64) for context in (1024, 8192, 32768)),
-    llama(8, 32768, FP16),
+    *(
+        Case(batch=batch, context=context, dtype=BF16, **LLAMA)
+        for batch in (1, 8, 32, 64)
+        for context in (1024, 8192, 32768)
+    ),
+    Case(batch=8, context=32768, dtype=FP16, **LLAMA),
 ]
-GPU_QUICK = [QUIZ, HOST_CASE, llama(8, 32768), llama(8, 32768, FP16)]
+GPU_QUICK = [
+    QUIZ,
+    HOST_CASE,
+    *(Case(batch=8, context=32768, dtype=t, **LLAMA) for t in (BF16, FP16)),
+]
 CPU_QUICK = [
     Case(batch=2, heads=4, kv_heads=2, q_len=4, context=48, head_dim=32, dtype=torch.float32)
 ]
