@@ -51,3 +51,34 @@ def test_the_roofline_table_has_a_row_per_group_and_links_each_csv():
     assert {(readme.parent / link).resolve() for link in links} == {
         group.path(ROOT).resolve() for group in readme_roofline.GROUPS
     }
+
+
+# A reader has no tracker to open: "issue 46" or "the assignment" means nothing without a link.
+UNLINKED_REFERENCE = re.compile(r"\b[Ii]ssues? \d+|\bthe assignment\b|\bassignment's\b")
+
+
+def unlinked_references(text: str) -> list[str]:
+    """The lines of ``text`` that name an issue or the assignment with no link on the line."""
+    return [
+        line
+        for line in text.splitlines()
+        if UNLINKED_REFERENCE.search(line) and "](http" not in line
+    ]
+
+
+def test_no_readme_names_an_issue_or_the_assignment_without_a_link():
+    readmes = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]
+    found = {
+        str(path.relative_to(ROOT)): lines
+        for path in readmes
+        if (lines := unlinked_references(path.read_text()))
+    }
+    assert found == {}
+
+
+def test_the_reference_check_sees_an_unlinked_issue():
+    assert unlinked_references("as issue 46 asks\nthe CS336 assignment's reference") == [
+        "as issue 46 asks",
+        "the CS336 assignment's reference",
+    ]
+    assert unlinked_references("see [issue 46](https://example.org/46); issues of memory") == []
