@@ -123,7 +123,8 @@ def tests(session: nox.Session, package: str) -> None:
     isolate = "--no-isolation" not in pytest_args
     pytest_args = [arg for arg in pytest_args if arg != "--no-isolation"]
     python = envs.dev_env()
-    common = ["-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib"]
+    # The five slowest tests of each session are printed: what to look at when CI grows.
+    common = ["-m", "pytest", "-p", "no:cacheprovider", "--import-mode=importlib", "--durations=5"]
     if package in PARALLEL:
         common += ["-n", "auto"]  # a `-n 0` among the posargs comes later and wins
     if selected is None:
