@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import llmsys.bench_harness as harness
 from llmsys.bench_harness import results
 from llmsys.bench_harness.arguments import non_negative_int, positive_int
 from llmsys.ddp import FSDP, DDPBucketed, init_distributed, local_device
@@ -47,15 +46,14 @@ from llmsys.profiling import training
 from llmsys.profiling.config import SIZES, ModelConfig
 from llmsys.profiling.infra import accounting, memory_model
 from llmsys.profiling.model import TransformerBlock, TransformerLM
-
-_strategies = harness.load_beside(__file__, "strategies")
-nccl_kernel_ms, release, run_fields, interleaved = (
-    _strategies.nccl_kernel_ms,
-    _strategies.release,
-    _strategies.run_fields,
-    _strategies.interleaved,
+from llmsys.profiling.rounds import (
+    interleaved,
+    nccl_kernel_ms,
+    release,
+    run_fields,
+    slowest,
+    timed_steps,
 )
-slowest, timed_steps = _strategies.slowest, _strategies.timed_steps
 
 LARGEST = {  # name: (d_model, d_ff, layers, heads) of models too large to train replicated
     "10B": (4096, 16384, 36, 32),
@@ -140,18 +138,11 @@ def predicted_gib(name: str, config: ModelConfig, tokens: int, world_size: int) 
     (sharded as the strategy shards them), activations and gathered layers in the compute
     dtype."""
     strategy = STRATEGIES[name]
-    policy = dataclasses.replace(
-        memory_model.FP32_ADAMW, activations=strategy.compute, params="fp32"
-    )
     devices = 1 if strategy.wrap is None else world_size
-    estimate = memory_model.training_memory(
-        memory_model.from_config(config), policy, strategy.memory, devices,
-        tokens_per_device=tokens, checkpointing=config.checkpoint,
-    )  # fmt: skip
-    gathered = estimate.gathered
-    if strategy.compute == "bf16" and gathered:  # layers gathered in bf16, gradients in bf16
-        gathered /= 2
-    return (estimate.total - estimate.gathered + gathered) / 2**30
+    return memory_model.training_peak(
+        memory_model.from_config(config), strategy.memory, devices,
+        tokens_per_device=tokens, checkpointing=config.checkpoint, compute=strategy.compute,
+    ) / 2**30  # fmt: skip
 
 
 def _gib_or_mib(gib: float) -> str:
@@ -309,12 +300,10 @@ def train_largest(args, device, rank: int, world_size: int) -> list[results.Row]
 
 
 def predicted_gib_for(config, args, world_size: int) -> float:
-    policy = dataclasses.replace(memory_model.FP32_ADAMW, activations="bf16", params="fp32")
-    estimate = memory_model.training_memory(
-        memory_model.from_config(config), policy, "fsdp", world_size,
+    return memory_model.training_peak(
+        memory_model.from_config(config), "fsdp", world_size,
         tokens_per_device=args.batch_size * args.context_length, checkpointing=True,
-    )  # fmt: skip
-    return (estimate.total - estimate.gathered / 2) / 2**30
+    ) / 2**30  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -47,6 +46,14 @@ from llmsys.profiling import training
 from llmsys.profiling.config import SIZES, ModelConfig
 from llmsys.profiling.infra import accounting
 from llmsys.profiling.model import TransformerLM
+from llmsys.profiling.rounds import (
+    interleaved,
+    nccl_kernel_ms,
+    release,
+    run_fields,
+    slowest,
+    timed_steps,
+)
 
 
 def torch_ddp(module, *, bf16: bool = False):
@@ -90,52 +97,6 @@ def train_step(model, optimizer, tokens, targets, dtype: str) -> None:
     optimizer.step()
 
 
-def slowest(value: float, device) -> float:
-    """The largest value over the ranks (a step is as slow as its slowest rank)."""
-    if not dist.is_initialized():
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
-
-
-def nccl_kernel_ms(step: Callable[[], None], device: torch.device) -> float | None:
-    """GPU time of NCCL kernels in one profiled call of ``step`` (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    events = prof.events()
-    return sum(e.device_time_total for e in events if "nccl" in e.name.lower()) / 1e3
-
-
-def timed_steps(
-    step: Callable[[], object], warmup: int, steps: int, device: torch.device, world_size: int
-) -> tuple[list[float], float | None]:
-    """Seconds of each of ``steps`` calls of ``step`` after ``warmup`` untimed ones, every rank
-    starting each together, and the peak GiB allocated while they ran (None off CUDA)."""
-    for _ in range(warmup):
-        step()
-    training.synchronize(device)
-    on_gpu = device.type == "cuda"
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        if world_size > 1:
-            dist.barrier()  # every rank starts the step together: less noise between runs
-        training.synchronize(device)
-        started = time.perf_counter()
-        step()
-        training.synchronize(device)
-        times.append(time.perf_counter() - started)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
-    return times, peak
-
-
 def measure(
     name: str, args, config: ModelConfig, device, rank: int, world_size: int, profiled: bool = True
 ) -> dict:
@@ -166,68 +127,6 @@ def measure(
     del model, optimizer, step
     training.free_device_memory(device)
     return measured
-
-
-def combine(runs: list[dict]) -> dict:
-    """One strategy's measurements over several rounds: every step's time, the peak's maximum
-    and the medians of the per-round numbers."""
-
-    def median(key):
-        values = [r[key] for r in runs if r.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    peaks = [r["peak_gib"] for r in runs if r["peak_gib"] is not None]
-    return {
-        **runs[0],
-        "times_ms": [t for r in runs for t in r["times_ms"]],
-        "nccl_ms": median("nccl_ms"),
-        "host_ms": median("host_ms"),
-        "peak_gib": max(peaks) if peaks else None,
-    }
-
-
-def interleaved(
-    measure_one: Callable[[str, bool], dict],
-    names: list[str],
-    rounds: int,
-    report: Callable[[str, dict], None],
-) -> dict[str, dict]:
-    """Measure every strategy in ``rounds`` rounds, each round all strategies one after another.
-
-    A host whose speed drifts over minutes (a shared machine, clocks, other tenants) moves all
-    strategies alike, so their ratios hold where back-to-back blocks per strategy would not.
-    The NCCL kernel profile runs in the first round only."""
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        for name in names:
-            gc.collect()
-            runs[name].append(measure_one(name, round_index == 0))
-            report(name, runs[name][-1])
-    return {name: combine(measured) for name, measured in runs.items()}
-
-
-def release(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Free the weights, gradients, optimizer state and buckets now. torch DDP's C++ reducer and
-    the parameters' hooks reference each other, a cycle the garbage collector cannot see, so
-    deleting the model leaves its memory allocated; emptying the tensors frees it anyway."""
-    optimizer.state.clear()
-    for bucket in getattr(model, "buckets", []):
-        bucket.buffer = bucket.reduced = None
-    for param in model.parameters():
-        param.grad = None
-        param.data = torch.empty(0, device=param.device)
-
-
-def run_fields(measured: dict, device: torch.device) -> dict:
-    """The fields of a strategy's row that say where and when it ran and how its steps spread."""
-    return dict(
-        gpu=results.device_name(device),
-        version=torch.__version__,
-        timestamp=results.timestamp(),
-        mean=statistics.fmean(measured["times_ms"]),
-        std=statistics.pstdev(measured["times_ms"]),
-        memory_gib=measured["peak_gib"],
-    )
 
 
 def rows_for(measured: dict[str, dict], args, config, world_size, device) -> list[results.Row]:

@@ -7,6 +7,7 @@
     llmsys-bench precision
     llmsys-bench llama --quick
     llmsys-bench serve --model 8b
+    torchrun --nproc-per-node 4 -m llmsys.profiling.cli train --model 8b --strategies fsdp fsdp2
     llmsys-bench report llmsys-bench-results/ --out REPORT.md
 
 Every subcommand prints a Markdown table and writes ``<out>/<subcommand>.csv`` in the shared
@@ -26,7 +27,8 @@ import torch
 
 from llmsys.bench_harness import arguments, results
 
-# subcommand -> module with HELP, add_arguments(parser) and run(args) -> list[results.Row]
+# subcommand -> module with HELP, add_arguments(parser) and run(args) -> list[results.Row], or
+# None on a process that writes nothing (train's torchrun ranks other than 0)
 SUBCOMMANDS = {
     "e2e": "e2e",
     "memory": "memory",
@@ -35,6 +37,7 @@ SUBCOMMANDS = {
     "precision": "precision",
     "llama": "llama",
     "serve": "serve",
+    "train": "train",
     "report": "infra.report",
 }
 
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     # llama and serve write their CSV after every case: look for an earlier run's before this one
     earlier = args.command != "report" and (Path(args.out) / f"{args.command}.csv").exists()
     rows = module.run(args)
-    if args.command != "report":
+    if args.command != "report" and rows is not None:
         emit(rows, args.out, args.command, replaced=earlier)
     return 0
 

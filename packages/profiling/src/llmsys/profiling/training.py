@@ -18,6 +18,8 @@ from .config import ModelConfig
 
 DTYPES = ("fp32", "bf16")  # bf16 = float32 weights under torch.autocast(bfloat16)
 OPTIMIZERS = ("adamw-fused", "adamw-foreach", "adamw-llmsys")
+# AdamW's settings in every benchmark (lr 1e-4 unless one asks for another)
+ADAMW: dict[str, Any] = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def autocast(dtype: str, device: str | torch.device) -> contextlib.AbstractContextManager:
@@ -76,7 +78,7 @@ def make_optimizer(
     """
     if name not in OPTIMIZERS:
         raise ValueError(f"make_optimizer: `name` must be one of {OPTIMIZERS}, got {name!r}")
-    options: dict[str, Any] = dict(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    options: dict[str, Any] = ADAMW | dict(lr=lr)
     if name == "adamw-llmsys":
         from .optimizer import AdamW
 

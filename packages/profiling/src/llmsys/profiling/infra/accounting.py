@@ -9,6 +9,9 @@ causal attention counts only the half that is needed (the ``q k^T`` and ``p v`` 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from ..config import ModelConfig
@@ -32,9 +35,33 @@ def forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> float:
     ffn = 3 * d * d_ff * (config.topk if config.ffn == "moe" else 1)
     router = d * config.num_experts if config.ffn == "moe" else 0
     per_layer: float = 2 * tokens * (attention_proj + ffn + router)
-    pairs = seq_len * (seq_len + 1) / 2  # causal (query, key) pairs per sequence and head
-    per_layer += 2 * 2 * batch_size * config.num_heads * pairs * config.head_dim  # qk^T and pv
+    per_layer += _causal_attention_flops(batch_size, seq_len, config.num_heads, config.head_dim)
     return config.num_layers * per_layer + 2 * tokens * d * config.vocab_size  # + lm_head
+
+
+def _causal_attention_flops(batch_size: int, seq_len: int, heads: int, head_dim: int) -> float:
+    """``q k^T`` and ``p v`` over the causal (query, key) pairs of every sequence and head."""
+    pairs = seq_len * (seq_len + 1) / 2
+    return 2 * 2 * batch_size * heads * pairs * head_dim
+
+
+def llama_forward_flops(sizes: Mapping[str, Any], batch_size: int, seq_len: int) -> float:
+    """Matmul FLOPs of one forward pass of a Hugging Face Llama of ``sizes`` (its
+    ``LlamaConfig`` fields, as ``memory_model.from_llama`` reads them) over ``batch_size``
+    sequences of ``seq_len`` tokens: :func:`forward_flops`'s count with grouped-query attention
+    (k and v projections ``num_key_value_heads`` heads wide).
+
+    Raises:
+        KeyError: ``sizes`` lacks one of the fields.
+    """
+    tokens = batch_size * seq_len
+    d, d_ff = sizes["hidden_size"], sizes["intermediate_size"]
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    head_dim = d // heads
+    projections = 2 * d * d + 2 * d * kv_heads * head_dim  # q and o, k and v
+    per_layer = 2 * tokens * (projections + 3 * d * d_ff)
+    per_layer += _causal_attention_flops(batch_size, seq_len, heads, head_dim)
+    return sizes["num_hidden_layers"] * per_layer + 2 * tokens * d * sizes["vocab_size"]
 
 
 def step_flops(config: ModelConfig, batch_size: int, seq_len: int, mode: str) -> float:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from ..config import ModelConfig
@@ -173,6 +174,32 @@ def from_config(config: ModelConfig) -> ModelShape:
     )
 
 
+def from_llama(sizes: Mapping[str, Any]) -> ModelShape:
+    """A Hugging Face Llama of ``sizes`` (its ``LlamaConfig`` fields: ``hidden_size``,
+    ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``vocab_size``, ``tie_word_embeddings``): :func:`from_config`'s
+    Transformer with grouped-query attention (k and v ``num_key_value_heads`` heads wide) and
+    the output layer tied to the embedding or not.
+
+    Raises:
+        KeyError: ``sizes`` lacks one of those fields.
+    """
+    d, d_ff = sizes["hidden_size"], sizes["intermediate_size"]
+    heads, kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    kv = 2 * d // heads * kv_heads  # k and v widths together
+    tied = bool(sizes.get("tie_word_embeddings", False))
+    return ModelShape(
+        name=f"llama hidden={d} intermediate={d_ff} layers={sizes['num_hidden_layers']}",
+        num_layers=sizes["num_hidden_layers"],
+        params_per_layer=2 * d * d + d * kv + 3 * d * d_ff + 2 * d,
+        other_params=(1 if tied else 2) * sizes["vocab_size"] * d + d,
+        d_model=d,
+        activations_replicated=4 * d,
+        activations_sharded=2 * d + kv + 3 * d_ff,
+        tp_all_reduces=2,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per device of each part (see the module docstring)."""
@@ -255,6 +282,34 @@ def training_memory(
         activations=tokens_per_device * kept,
         gathered=gathered,
     )
+
+
+def training_peak(
+    shape: ModelShape,
+    strategy: str = "ddp",
+    devices: int = 1,
+    *,
+    tokens_per_device: int = 0,
+    checkpointing: bool = False,
+    compute: str = "bf16",
+) -> float:
+    """Bytes per device to train ``shape`` with float32 weights, gradients and AdamW moments
+    (sharded as ``strategy`` shards them over ``devices``), activations and, under ZeRO-3 /
+    FSDP, one gathered layer's weights and gradients in the ``compute`` dtype ("bf16" or
+    "fp32"): mixed precision by autocast or by a sharding wrapper's compute dtype.
+
+    Raises:
+        ValueError: as :func:`training_memory`, or ``compute`` is not "bf16" or "fp32".
+    """
+    if compute not in ("bf16", "fp32"):
+        raise ValueError(f"training_peak: `compute` must be 'bf16' or 'fp32', got {compute!r}")
+    policy = dataclasses.replace(FP32_ADAMW, activations=compute)
+    estimate = training_memory(
+        shape, policy, strategy, devices,
+        tokens_per_device=tokens_per_device, checkpointing=checkpointing,
+    )  # fmt: skip
+    gathered = estimate.gathered / 2 if compute == "bf16" else estimate.gathered
+    return estimate.total - estimate.gathered + gathered
 
 
 def min_devices(
