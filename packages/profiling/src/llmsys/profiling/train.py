@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model as transformers builds it, or after llmsys.hf.apply_llmsys",
     )  # fmt: skip
     parser.add_argument(
-        "--steps", type=positive_int, help="timed steps per strategy and round (default 5; --quick 2)"
+        "--steps", type=positive_int, help="timed steps per strategy, round (default 5; --quick 2)"
     )
     parser.add_argument("--warmup", type=non_negative_int,
                         help="untimed steps first, each round (default 2; --quick 0)")  # fmt: skip
