@@ -10,6 +10,7 @@ host whose speed drifts over minutes moves them all alike and their ratios hold.
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -116,12 +117,14 @@ def release(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def run_fields(measured: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The fields of a strategy's row that say where and when it ran and how its steps spread."""
+    """The fields of a strategy's row that say where and when it ran and how its steps spread
+    (no mean or spread for a strategy without times: NaN, out of memory or refused)."""
+    times = [t for t in measured["times_ms"] if math.isfinite(t)]
     return dict(
         gpu=results.device_name(device),
         version=torch.__version__,
         timestamp=results.timestamp(),
-        mean=statistics.fmean(measured["times_ms"]),
-        std=statistics.pstdev(measured["times_ms"]),
+        mean=statistics.fmean(times) if times else None,
+        std=statistics.pstdev(times) if times else None,
         memory_gib=measured["peak_gib"],
     )

@@ -140,12 +140,12 @@ def measure(
     """Build strategy ``name`` from the seeded weights and time its steps on ``data``: the
     slowest rank's step times, its peak GiB, the NCCL kernels' time in one profiled step
     (``profiled``, on CUDA) and the loss of every step (the mean over ranks)."""
-    world_size = dist.get_world_size()
     torch.manual_seed(0)
     model = build_llama(setup.sizes, device, torch.float32).train()
     with kernels_of(setup.kernels, model):
         train_strategies.prepare(model, compile=setup.compile, checkpointing=setup.checkpointing)
         trainer = train_strategies.build(name, model, device)
+    world_size = dist.get_world_size()
     autocast = STRATEGIES[name].autocast
     losses: list[torch.Tensor] = []
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -96,14 +97,15 @@ def prepare(model: nn.Module, *, compile: bool, checkpointing: str) -> nn.Module
     if checkpointing == "full":
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = cast(Callable[..., None], model.gradient_checkpointing_enable)
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile:
         for layer in decoder_layers(model):
             layer.compile()
     return model
 
 
-def _adamw(device: torch.device) -> dict[str, object]:
+def _adamw(device: torch.device) -> dict[str, Any]:
     """AdamW's options for an optimizer class taken by name (ZeRO's): ``ADAMW``, fused on CUDA."""
     return ADAMW | ({"fused": True} if device.type == "cuda" else {"foreach": True})
 
