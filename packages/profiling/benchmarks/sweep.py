@@ -38,6 +38,7 @@ def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
             ["llama", "--quick", "--warmup", "0", "--reps", "1"],
             ["serve", "--quick", "--warmup", "0", "--reps", "1", "--providers", "fp16",
              "int8-fused", "--generate"],
+            ["train", "--quick"],  # one process: every strategy on a group of one
         ]  # fmt: skip
     presets = ["--preset", "eager", "compiled", "llmsys"]
     target = ["--context-length", "1024", "--batch-size", "4", "--dtype", "bf16"]
@@ -62,6 +63,8 @@ def commands(device: str, quick: bool, full: bool) -> list[list[str]]:
         ["attention", "--head-dim", "64", "128", "--seq-len", "1024", "4096", "16384"],
         ["llama"],  # the 0.85B Hugging Face Llama: int8 inference, training (about 4 min)
         ["serve", "--model", "8b"],  # Llama-3.1-8B's shape served (about 15 min: compiles)
+        # every strategy on a group of one GPU (torchrun for more: the README's commands)
+        ["train", "--model", "0.85b", "--seq-len", "2048", "--batch-size", "2"],
     ]  # fmt: skip
     sizes = ["small", "medium", "large", "xl", "2.7B"]
     contexts = ["128", "256", "512", "1024"]

@@ -76,7 +76,7 @@ def test_every_option_refuses_a_bad_value_naming_it(prog, name, sub, action, bef
         assert f"argument {option}:" in err and value in err, (value, err)
 
 
-@pytest.mark.parametrize("command", ["e2e", "serve", "llama", "report", "attention"])
+@pytest.mark.parametrize("command", ["e2e", "serve", "llama", "train", "report", "attention"])
 def test_the_device_is_checked_when_the_command_line_is_read(command, capsys):
     """``--device meta`` raised a RuntimeError once the run had started; now argparse stops it."""
     argv = [command, "--device", "meta"] + (["x.csv"] if command == "report" else [])
