@@ -109,3 +109,22 @@ def test_quick_defaults_and_what_is_given_wins():
         1,
         "eager, full ckpt",
     )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_llama_accounting_counts_the_built_models_parameters(tied):
+    """``from_llama`` and ``llama_forward_flops`` against the model transformers builds: its
+    parameter count, and 2 FLOPs per token and matmul weight (all but the embedding's lookup and
+    the norms' gains) plus causal attention's."""
+    from llmsys.profiling.infra import accounting, memory_model
+
+    sizes = TINY | dict(tie_word_embeddings=tied)
+    model = build_llama(sizes, "cpu", torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    assert memory_model.from_llama(sizes).num_params == params
+    d, layers, vocab = sizes["hidden_size"], sizes["num_hidden_layers"], sizes["vocab_size"]
+    matmul = params - (0 if tied else vocab * d) - (2 * layers + 1) * d
+    batch, seq, heads = 2, 16, sizes["num_attention_heads"]
+    attention = layers * 2 * 2 * batch * heads * seq * (seq + 1) / 2 * (d // heads)
+    expected = 2 * batch * seq * matmul + attention
+    assert accounting.llama_forward_flops(sizes, batch, seq) == pytest.approx(expected)
