@@ -74,9 +74,7 @@ def test_int8_cache_logits_and_contents_follow_the_float_cache(rewrite, config, 
 
 
 @pytest.mark.parametrize(("rewrite", "config"), REWRITES, ids=IDS)
-def test_generate_with_the_int8_cache_chooses_the_float_caches_best_tokens(
-    rewrite, config, device
-):
+def test_generate_with_the_int8_cache_chooses_the_float_caches_best_tokens(rewrite, config, device):
     """``generate(..., kv_cache="int8")``: the prompt through ``decode_attention`` (5 tokens),
     then one step per token, every one over the int8 layers; each token it chose is the best or
     within the quantization error of the best under the float cache's logits (a near-tie may
@@ -125,7 +123,7 @@ def test_transformers_own_attention_refuses_the_int8_cache(device):
     ids = random_ids(14, (2, 5), device)
     cache = kv_cache.Int8StaticCache(config=stock.config, max_cache_len=8)
     call = cached_forward(stock, cache)
-    with torch.no_grad(), pytest.raises(ValueError, match="Int8StaticLayer.update: the int8 KV"):
+    with torch.no_grad(), pytest.raises(ValueError, match=r"Int8StaticLayer\.update: the int8 KV"):
         call(ids, torch.arange(5, device=device).expand(2, -1))
     assert not cache.layers[0].is_initialized and cache.layers[0].cumulative_length.item() == 0
 
@@ -156,7 +154,7 @@ def test_what_the_int8_cache_cannot_serve_is_refused_before_it_is_written(device
     call = cached_forward(serve, cache)
     with torch.no_grad():
         call(ids[:, :5], torch.arange(5, device=device).expand(2, -1))
-        with pytest.raises(ValueError, match="int8 KV cache .* read only as plain causal"):
+        with pytest.raises(ValueError, match=r"int8 KV cache .* read only as plain causal"):
             call(ids[:, 5:], torch.arange(5, 22, device=device).expand(2, -1))
     assert cache.layers[0].cumulative_length.item() == 5
     fa2, _ = served_and_sdpa("apply_llmsys", device, num_hidden_layers=1)

@@ -506,8 +506,11 @@ def int8_cache_attention(
         module: the attention layer (``scaling``, ``attention_dropout``, ``config``).
         query: ``(B, H, N, d)``, rotated.
         new_key, new_value: ``(B, H_kv, N, d)``, the new tokens' keys (rotated) and values.
-        attention_mask: what the mask function returned: it must be the static-cache verdict
-            (:func:`static_cache_mask`), plain causal attention over the cache's first slots.
+        attention_mask: what the mask function returned: the static-cache verdict
+            (:func:`static_cache_mask`), plain causal attention over the cache's first slots,
+            or None from ``llmsys_fa2``'s or ``llmsys_serve``'s mask function, which says that
+            causal attention over every slot is exact (a forward that fills the cache to its
+            last slot; more than 16 such tokens only into an empty cache).
         layer: the ``Int8StaticLayer`` of ``module``'s layer index.
 
     Returns:
@@ -520,7 +523,9 @@ def int8_cache_attention(
             is on; before the cache is written.
     """
     implementation = module.config._attn_implementation
-    if not is_static_cache_mask(attention_mask):
+    readers = (ATTN_IMPLEMENTATION, SERVING_IMPLEMENTATION)
+    whole = attention_mask is None and implementation in readers
+    if not (whole or is_static_cache_mask(attention_mask)):
         raise ValueError(
             f"the int8 KV cache (Int8StaticCache) is read only as plain causal attention over "
             f"its first slots, which attn_implementation {implementation!r} did not find for "

@@ -151,9 +151,8 @@ class Int8StaticCache(StaticCache):
         self, config: Any, max_cache_len: int, offloading: bool = False, **kwargs: Any
     ) -> None:
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int):
-            raise TypeError(
-                f"Int8StaticCache: `max_cache_len` must be an int, got {type(max_cache_len).__name__}"
-            )
+            got = type(max_cache_len).__name__
+            raise TypeError(f"Int8StaticCache: `max_cache_len` must be an int, got {got}")
         if max_cache_len < 1:
             raise ValueError(f"Int8StaticCache: `max_cache_len` must be >= 1, got {max_cache_len}")
         if offloading:
