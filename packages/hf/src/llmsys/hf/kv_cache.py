@@ -52,6 +52,7 @@ class Int8StaticLayer(StaticLayer):
         max_cache_len: the tokens each sequence can hold.
     """
 
+    cumulative_length: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
 
@@ -146,6 +147,8 @@ class Int8StaticCache(StaticCache):
         ValueError: ``max_cache_len`` < 1, ``offloading=True``, or the config has a layer that
             is not a full static one (a sliding-window or chunked-attention layer).
     """
+
+    layers: list[Any]
 
     def __init__(
         self, config: Any, max_cache_len: int, offloading: bool = False, **kwargs: Any

@@ -390,10 +390,11 @@ def decode_step(
     an ``llmsys.hf.kv_cache.Int8StaticCache`` (which only llmsys' attention reads)."""
     from llmsys.hf import cached_forward
 
+    cache_class: Any = _transformers().StaticCache
     if kv_cache == "int8":
-        from llmsys.hf.kv_cache import Int8StaticCache as cache_class
-    else:
-        cache_class = _transformers().StaticCache
+        from llmsys.hf.kv_cache import Int8StaticCache
+
+        cache_class = Int8StaticCache
     cache = cache_class(config=model.config, max_cache_len=context + room)
     call = cached_forward(model, cache)
     device = next(model.parameters()).device
