@@ -6,11 +6,11 @@ the SDPA path's tokens and logits; what it cannot serve goes to SDPA (``llmsys_s
 refused by name (``llmsys_fa2``)."""
 
 import contextlib
-import copy
 from unittest import mock
 
 import pytest
 import torch
+from cache_routes import logits_over_a_static_cache, routes, served_and_sdpa
 from hf_models import build
 
 from llmsys.hf import apply_llmsys, cached_forward, forwards, generate, quantize_model
@@ -23,63 +23,6 @@ transformers = pytest.importorskip("transformers")
 # float32 on the CPU; CUDA float32 runs TF32 dots (10-bit mantissa)
 TOL = {"cpu": 1e-4, "cuda": 1e-2}
 NEW = 3  # greedy tokens per sequence
-
-
-@contextlib.contextmanager
-def routes():
-    """What the attention runs: the arguments of every ``decode_attention`` and
-    ``flash_attention`` call of llmsys.hf's attention, and the number of SDPA calls."""
-    seen = {"decode": [], "flash": [], "sdpa": 0}
-    decode, flash = hf_attention.decode_attention, hf_attention.flash_attention
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy_decode(q, k_cache, v_cache, cache_seqlens, **kwargs):
-        lengths = cache_seqlens.tolist() if cache_seqlens.device.type == "cpu" else None
-        seen["decode"].append((q.shape[2], k_cache.data_ptr(), v_cache.data_ptr(), lengths))
-        return decode(q, k_cache, v_cache, cache_seqlens, **kwargs)
-
-    def spy_flash(q, k, v, causal=False, scale=None):
-        seen["flash"].append((q.shape[2], k.shape[2], causal))
-        return flash(q, k, v, causal, scale)
-
-    def spy_sdpa(*args, **kwargs):
-        seen["sdpa"] += 1
-        return sdpa(*args, **kwargs)
-
-    with (
-        mock.patch.object(hf_attention, "decode_attention", spy_decode),
-        mock.patch.object(hf_attention, "flash_attention", spy_flash),
-        mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa),
-    ):
-        yield seen
-
-
-def logits_over_a_static_cache(model, tokens, segments):
-    """The logits of ``tokens`` (B, T) fed through one ``StaticCache`` a segment at a time
-    (``segments``: (start, end) pairs), as ``generate``'s prefill and decode steps feed them:
-    (B, T, vocab) float32, and the cache."""
-    cache = transformers.StaticCache(config=model.config, max_cache_len=tokens.shape[1])
-    call = cached_forward(model, cache)
-    out = []
-    with torch.no_grad():
-        for start, end in segments:
-            positions = torch.arange(start, end, device=tokens.device).expand(len(tokens), -1)
-            out.append(call(tokens[:, start:end], positions).float())
-    return torch.cat(out, dim=1), cache
-
-
-def served_and_sdpa(rewrite: str, device, family="llama", dtype=torch.float32, **config):
-    """(the rewritten model, the same model on the SDPA path): for ``apply_llmsys`` the stock
-    model as transformers builds it, for ``quantize_model`` the same int8 model set to SDPA."""
-    stock = build(family, **config).to(device, dtype).eval()
-    served = copy.deepcopy(stock)
-    if rewrite == "apply_llmsys":
-        apply_llmsys(served)
-        return served, stock
-    quantize_model(served)
-    reference = copy.deepcopy(served)
-    reference.set_attn_implementation("sdpa")
-    return served, reference
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,40 @@ def test_int8_fused_is_served_eagerly_on_the_cpu(tmp_path):
     assert row.p50 > 0 and "weights" in row.config and "failed" not in row.config
 
 
+def test_int8_fused_kv8_decodes_and_generates_over_the_int8_cache(tmp_path):
+    """The provider ``int8-fused-kv8``: int8-fused's model over an int8 KV cache at decode and
+    generate; its rows say which cache ran, and every cache it filled was int8."""
+    from llmsys.hf import kv_cache
+
+    argv = ["serve", "--quick", "--device", "cpu", "--warmup", "0", "--reps", "1"]
+    argv += ["--providers", "int8-fused-kv8", "--prefill", "--decode", "2"]
+    argv += ["--generate", "2", "--generate-tokens", "6", "--out", str(tmp_path)]
+    caches = []
+    real = kv_cache.Int8StaticCache
+
+    def spy(*args, **kwargs):
+        caches.append(real(*args, **kwargs))
+        return caches[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kv_cache, "Int8StaticCache", spy)
+        assert cli.main(argv) == 0
+    rows = {(r.kernel, r.provider): r for r in results.read_rows(tmp_path / "serve.csv")}
+    assert set(rows) == {(k, "int8-fused-kv8") for k in ("serve/decode", "serve/generate")}
+    for kernel in ("serve/decode", "serve/generate"):
+        assert "int8-fused-kv8, weights" in rows[kernel, "int8-fused-kv8"].config
+        assert "KV cache int8" in rows[kernel, "int8-fused-kv8"].config
+    decode = rows["serve/decode", "int8-fused-kv8"]
+    assert decode.p50 > 0 and "failed" not in decode.config
+    generate = rows["serve/generate", "int8-fused-kv8"]  # a time, unless too short to tell
+    assert generate.p50 > 0 or "within the timing noise" in generate.config
+    assert "failed: ValueError" not in generate.config and "failed: Type" not in generate.config
+    # decode's cache, then generate's warm-up and runs: each one int8, filled by the model
+    assert len(caches) >= 2
+    assert all(layer.keys.dtype == torch.int8 for c in caches for layer in c.layers)
+    assert caches[0].layers[0].cumulative_length.item() > 16  # --quick's context, then steps
+
+
 def _row(kernel, provider, mode, p50, x="x"):
     return results.Row(kernel, provider, mode, x, "float16", p50, p50, p50)
 

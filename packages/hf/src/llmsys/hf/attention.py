@@ -474,9 +474,74 @@ def static_cache_attention(
 def static_layer_decode(module: Any, query: torch.Tensor, layer: Any) -> torch.Tensor:
     """``decode_attention`` of ``query`` ``(B, H, N, d)`` (at most 16 new tokens, already in the
     cache) over a static cache layer's own buffers, in place, with the layer's length on the
-    device as each sequence's: ``(B, N, H, d)``, contiguous."""
+    device as each sequence's: ``(B, N, H, d)``, contiguous. An int8 layer
+    (``kv_cache.Int8StaticLayer``) hands its scales too, and the kernel dequantizes on load."""
     lengths = layer.cumulative_length.expand(query.shape[0])  # one for every sequence
-    out = decode_attention(query, layer.keys, layer.values, lengths, sm_scale=module.scaling)
+    scales = {}
+    if layer.keys.dtype == torch.int8:
+        scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+    out = decode_attention(
+        query, layer.keys, layer.values, lengths, sm_scale=module.scaling, **scales
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def int8_cache_attention(
+    module: Any,
+    query: torch.Tensor,
+    new_key: torch.Tensor,
+    new_value: torch.Tensor,
+    attention_mask: object,
+    layer: Any,
+) -> torch.Tensor:
+    """Attention over an int8 KV cache layer (``kv_cache.Int8StaticLayer``), which only this
+    reads: the new keys and values quantized into it (``layer.append``: ``append_kv_int8`` at
+    the layer's length, then the length advanced in place), then at most 16 new tokens through
+    ``decode_attention`` over the int8 cache with its scales and the layer's length on the
+    device (no host sync: a CUDA graph replays it), or a longer prompt (into an empty cache:
+    the mask function checked) through causal ``flash_attention`` on the new float keys and
+    values.
+
+    Args:
+        module: the attention layer (``scaling``, ``attention_dropout``, ``config``).
+        query: ``(B, H, N, d)``, rotated.
+        new_key, new_value: ``(B, H_kv, N, d)``, the new tokens' keys (rotated) and values.
+        attention_mask: what the mask function returned: the static-cache verdict
+            (:func:`static_cache_mask`), plain causal attention over the cache's first slots,
+            or None from ``llmsys_fa2``'s or ``llmsys_serve``'s mask function, which says that
+            causal attention over every slot is exact (a forward that fills the cache to its
+            last slot; more than 16 such tokens only into an empty cache).
+        layer: the ``Int8StaticLayer`` of ``module``'s layer index.
+
+    Returns:
+        ``(B, N, H, d)``, contiguous, as transformers' attention functions return it.
+
+    Raises:
+        ValueError: ``attention_mask`` is not the verdict (padding, a chunk of more than 16 new
+            tokens over cached ones, a window shorter than the cache, or an attention
+            implementation other than ``llmsys_fa2`` / ``llmsys_serve``), or attention dropout
+            is on; before the cache is written.
+    """
+    implementation = module.config._attn_implementation
+    readers = (ATTN_IMPLEMENTATION, SERVING_IMPLEMENTATION)
+    whole = attention_mask is None and implementation in readers
+    if not (whole or is_static_cache_mask(attention_mask)):
+        raise ValueError(
+            f"the int8 KV cache (Int8StaticCache) is read only as plain causal attention over "
+            f"its first slots, which attn_implementation {implementation!r} did not find for "
+            "this forward (llmsys_fa2 and llmsys_serve find it where there is no padding, at "
+            f"most {MAX_Q_LEN} new tokens over cached ones and no window shorter than the "
+            "cache); use the float cache for such inputs"
+        )
+    if module.training and module.attention_dropout:
+        raise ValueError(
+            f"the int8 KV cache (Int8StaticCache): attention dropout {module.attention_dropout} "
+            "is not supported (set attention_dropout=0, or call model.eval())"
+        )
+    layer.append(new_key, new_value)
+    if query.shape[2] <= MAX_Q_LEN:
+        return static_layer_decode(module, query, layer)
+    out = flash_attention(query, new_key, new_value, causal=True, scale=module.scaling)
     return out.transpose(1, 2).contiguous()
 
 

@@ -13,7 +13,8 @@ to transformers' own forward of the module's class:
                     ``rotary_attention``: ``rotary`` on q and k in one launch, the KV cache and
                     the attention implementation the config names (``llmsys_fa2`` after
                     ``apply_llmsys``), a static KV cache read by flash-attn2's decode kernel
-                    (a decode step's rotary and append to it one ``rotary_into_cache`` launch);
+                    (a decode step's rotary and append to it one ``rotary_into_cache`` launch),
+                    or an int8 one (``kv_cache.Int8StaticCache``) read with its scales;
                     the W8A8 attention calls ``rotary_attention`` with the three column ranges
                     of its fused q|k|v projection
     causal LM       with ``labels=``, the loss from the last hidden states through
@@ -34,6 +35,7 @@ from llmsys.kernels_fused import causal_lm_loss, rms_norm, rotary, rotary_into_c
 
 from .attention import (
     appendable_static_layer,
+    int8_cache_attention,
     is_static_cache_mask,
     static_cache_attention,
     static_layer_decode,
@@ -119,8 +121,12 @@ def rotary_attention(
     offloaded (``attention.appendable_static_layer``), skips ``cache.update``: one
     ``rotary_into_cache`` launch rotates q, rotates k into the cache and copies v there, the
     layer's length advances in place as ``StaticLayer.update`` advances it, and
-    ``decode_attention`` reads the cache (``attention.static_layer_decode``). Returns
-    ``(output, attention weights or None)`` as transformers' attention does."""
+    ``decode_attention`` reads the cache (``attention.static_layer_decode``). Over an int8 KV
+    cache (``kv_cache.Int8StaticCache``) the forward never calls ``cache.update``: q and k
+    rotate, the new keys and values are quantized into the layer and the cache is read with
+    its scales (``attention.int8_cache_attention``, which refuses any forward that is not the
+    static-cache verdict). Returns ``(output, attention weights or None)`` as transformers'
+    attention does."""
     cache = kwargs.pop("cache", None)
     legacy_cache = kwargs.pop("past_key_values", None)
     input_shape = query.shape[:-1]
@@ -131,6 +137,12 @@ def rotary_attention(
     cos, sin = position_embeddings
     the_cache = cache if cache is not None else legacy_cache
     full_width = full_width_rotary(attn.config)
+    int8_layer = int8_cache_layer(attn, the_cache)
+    if int8_layer is not None:
+        # An int8 KV cache: rotary, then the quantized append and the attention over it.
+        query, key = _rotate(attn, query, key, cos, sin, full_width)
+        output = int8_cache_attention(attn, query, key, value, attention_mask, int8_layer)
+        return attn.o_proj(output.reshape(*input_shape, -1).contiguous()), None
     layer = None
     if full_width and not _grad_wanted(query, key, value, cos, sin):
         layer = appendable_static_layer(attn, key, attention_mask, the_cache)
@@ -142,11 +154,7 @@ def rotary_attention(
         layer.cumulative_length.add_(key.shape[2])  # in place, as StaticLayer.update counts
         output = static_layer_decode(attn, query, layer)
         return attn.o_proj(output.reshape(*input_shape, -1).contiguous()), None
-    if full_width:
-        query, key = rotary(query, key, cos, sin)
-    else:
-        family = sys.modules[type(attn).__module__]
-        query, key = family.apply_rotary_pos_emb(query, key, cos, sin)
+    query, key = _rotate(attn, query, key, cos, sin, full_width)
     new_key, new_value = key, value
     if cache is not None:
         key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
@@ -171,6 +179,34 @@ def rotary_attention(
         )
     output = output.reshape(*input_shape, -1).contiguous()
     return attn.o_proj(output), weights
+
+
+def _rotate(
+    attn: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    full_width: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated: in one ``rotary`` launch where the rotary is full-width, else by the
+    family's own ``apply_rotary_pos_emb``."""
+    if full_width:
+        return rotary(query, key, cos, sin)
+    family = sys.modules[type(attn).__module__]
+    return family.apply_rotary_pos_emb(query, key, cos, sin)
+
+
+def int8_cache_layer(attn: Any, cache: Any) -> Any | None:
+    """The layer of ``cache`` for ``attn`` if it is an int8 one (``kv_cache.Int8StaticLayer``),
+    else None."""
+    layers = getattr(cache, "layers", None)
+    if not layers or attn.layer_idx >= len(layers):
+        return None
+    from .kv_cache import Int8StaticLayer  # imports transformers: only once a cache is here
+
+    layer = layers[attn.layer_idx]
+    return layer if isinstance(layer, Int8StaticLayer) else None
 
 
 def _grad_wanted(*tensors: torch.Tensor) -> bool:

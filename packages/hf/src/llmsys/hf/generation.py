@@ -8,7 +8,9 @@ its own there and advances the positions in place. That is what lets one CUDA gr
 replay it, with no Python between tokens. The model may be as transformers builds it, or
 rewritten by ``apply_llmsys`` or by ``quantize_model``: one harness serves fp16
 and int8, and the rewritten attention reads the static cache through flash-attn2
-(``attention.static_cache_attention``).
+(``attention.static_cache_attention``). With ``kv_cache="int8"`` the cache is an
+``Int8StaticCache`` (``llmsys.hf.kv_cache``), half a float16 one's bytes, which only that
+rewritten attention reads.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def generate(
     max_new_tokens: int,
     *,
     cuda_graph: bool | None = None,
+    kv_cache: str = "float",
 ) -> torch.Tensor:
     """``input_ids`` followed by ``max_new_tokens`` greedily chosen tokens, shape
     (batch, prompt + max_new_tokens).
@@ -46,17 +49,27 @@ def generate(
         cuda_graph: replay the decode step from a CUDA graph (default: on a CUDA device, unless
             the cache has sliding-window layers, which a graph cannot replay). The first step
             runs eagerly, which also warms up what the capture needs.
+        kv_cache: ``"float"`` (default), a ``transformers.StaticCache`` in the model's dtype,
+            or ``"int8"``, an ``Int8StaticCache`` (``llmsys.hf.kv_cache``): keys and values
+            stored as int8 with one float32 scale per sequence, kv head and token, quantized as
+            they are appended and dequantized by the decode kernel as it reads them. Only
+            llmsys' attention reads it (after ``apply_llmsys`` with its rotary part, or
+            ``quantize_model``); the tokens may differ from the float cache's where the
+            quantization error tips a near-tie.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` with a ``config``, ``input_ids`` is not an
-            int64 or int32 tensor, ``max_new_tokens`` is not an int or ``cuda_graph`` is not a
-            bool or None.
+            int64 or int32 tensor, ``max_new_tokens`` is not an int, ``cuda_graph`` is not a
+            bool or None, or ``kv_cache`` is not a str.
         ValueError: ``input_ids`` is not (batch, prompt) with both sizes > 0,
             ``max_new_tokens`` < 1, or ``cuda_graph=True`` with ``input_ids`` off CUDA or
             with a model whose cache has sliding-window layers (a window shorter than the
-            prompt and the new tokens).
+            prompt and the new tokens), ``kv_cache`` is neither "float" nor "int8", or
+            ``kv_cache="int8"`` with a model whose attention is not llmsys' (transformers'
+            attention forward, or an attention implementation other than ``llmsys_fa2`` or
+            ``llmsys_serve``) or whose cache would have sliding-window layers.
     """
-    _check_arguments(model, input_ids, max_new_tokens, cuda_graph)
+    _check_arguments(model, input_ids, max_new_tokens, cuda_graph, kv_cache)
     on_cuda = input_ids.device.type == "cuda"
     if cuda_graph and not on_cuda:
         raise ValueError(
@@ -66,9 +79,15 @@ def generate(
 
     from transformers import StaticCache
 
+    cache_class = StaticCache
+    if kv_cache == "int8":
+        from .kv_cache import Int8StaticCache, check_int8_readers
+
+        check_int8_readers(model, "generate")
+        cache_class = Int8StaticCache
     batch, prompt = input_ids.shape
     ids = input_ids.long()
-    cache = StaticCache(config=model.config, max_cache_len=prompt + int(max_new_tokens))
+    cache = cache_class(config=model.config, max_cache_len=prompt + int(max_new_tokens))
     sliding = sliding_layers(cache)
     if cuda_graph is None:
         cuda_graph = on_cuda and not sliding
@@ -110,8 +129,11 @@ def sliding_layers(cache: Any) -> list[int]:
     return [i for i, layer in enumerate(getattr(cache, "layers", ())) if layer.is_sliding]
 
 
+KV_CACHES = ("float", "int8")
+
+
 def _check_arguments(
-    model: object, input_ids: object, max_new_tokens: object, cuda_graph: object
+    model: object, input_ids: object, max_new_tokens: object, cuda_graph: object, kv_cache: object
 ) -> None:
     """``generate``'s arguments, each refused by name before anything runs."""
     if not isinstance(model, nn.Module):
@@ -144,6 +166,12 @@ def _check_arguments(
         raise TypeError(
             f"generate: `cuda_graph` must be a bool or None, got {type(cuda_graph).__name__}"
         )
+    if not isinstance(kv_cache, str):
+        raise TypeError(
+            f"generate: `kv_cache` must be a str ('float' or 'int8'), got {type(kv_cache).__name__}"
+        )
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"generate: `kv_cache` must be 'float' or 'int8', got {kv_cache!r}")
 
 
 def cached_forward(model: nn.Module, cache: Any) -> Callable[..., torch.Tensor]:

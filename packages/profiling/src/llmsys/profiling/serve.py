@@ -12,6 +12,10 @@ fp16            the model as transformers builds it
 int8-fused      ``llmsys.hf.quantize_model`` (W8A8: weights per output channel, activations
                 per token; q|k|v and gate|up one GEMM each, the quantization fused into
                 RMSNorm and SiLU-and-mul)
+int8-fused-kv8  int8-fused (the same quantized model) over an int8 KV cache at decode and
+                generate (``llmsys.hf.kv_cache.Int8StaticCache``: int8 keys and values, a
+                float32 scale per sequence, kv head and token; ``generate(kv_cache="int8")``);
+                the others' caches are float16
 torchao-int8    torchao's ``quantize_(model, Int8DynamicActivationInt8WeightConfig())``
 torchao-float8  torchao's ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``,
                 on a bfloat16 copy (torchao's float8 rowwise takes no float16 weights)
@@ -70,7 +74,9 @@ if TYPE_CHECKING:
 
 HELP = "a Hugging Face Llama served: prefill and decode tok/s, fp16 against int8 and torchao"
 MODELS = {"8b": LLAMA_8B, "0.85b": LLAMA}
-PROVIDERS = ("fp16", "int8-fused", "torchao-int8", "torchao-float8")
+PROVIDERS = ("fp16", "int8-fused", "int8-fused-kv8", "torchao-int8", "torchao-float8")
+KV_CACHES = {"int8-fused-kv8": "int8"}  # a provider's KV cache at decode and generate (else float)
+SHARED = {"int8-fused-kv8": "int8-fused"}  # a provider served by another's model
 SIZES = {  # the defaults of --prefill, --decode, --generate, --context and --generate-tokens
     "full": dict(prefill=[(1, 4096), (8, 512)], decode=[1, 8, 32], generate=[8], context=1024,
                  generate_tokens=32),
@@ -142,7 +148,7 @@ def quantized(name: str, fp16: nn.Module) -> nn.Module:
     model = copy.deepcopy(fp16)
     if name == "torchao-float8":
         model = model.to(torch.bfloat16)
-    if name == "int8-fused":
+    if name in ("int8-fused", "int8-fused-kv8"):
         from llmsys.hf import quantize_model
 
         quantize_model(model)
@@ -212,6 +218,7 @@ def _time_generate(
     reps: int,
     graph: bool,
     device: torch.device | str,
+    kv_cache: str = "float",
 ) -> list[float]:
     """Milliseconds per new token of ``generate``: runs of ``3`` and ``3 + new`` tokens taken
     in turns, each pair's difference over ``new`` (3: the capture and one replay in both)."""
@@ -220,7 +227,7 @@ def _time_generate(
     def seconds(tokens: int) -> float:
         synchronize(device)
         start = time.perf_counter()
-        generate(model, prompt, tokens, cuda_graph=graph)
+        generate(model, prompt, tokens, cuda_graph=graph, kv_cache=kv_cache)
         synchronize(device)
         return time.perf_counter() - start
 
@@ -267,6 +274,9 @@ def run(args: argparse.Namespace) -> list[results.Row]:
     missing: dict[str, str] = {}
     for name in args.providers:
         try:
+            if SHARED.get(name) in models:  # the same weights: one copy
+                models[name] = models[SHARED[name]]
+                continue
             with torch.no_grad():
                 models[name] = quantized(name, fp16)
         except ImportError as error:
@@ -296,14 +306,20 @@ def run(args: argparse.Namespace) -> list[results.Row]:
                 emit(_failed(phase, name, "-", x, missing[name]))
                 continue
             model = models[name]
+            kv_cache = KV_CACHES.get(name, "float")
             settings = f"{label}; {name}, weights {weight_gib(model):.2f} GiB"
+            if phase != "prefill":
+                float_cache = DTYPES.get(name, "float16")  # the model's dtype
+                settings += f", KV cache {'int8' if kv_cache == 'int8' else float_cache}"
             if name.startswith("torchao") and on_cuda:
                 emit(_failed(phase, name, "cuda-graph", x, NO_GRAPH))
             for mode in modes(name, phase):
                 if phase != "generate":
-                    emit(_step_row(model, name, phase, mode, size, x, context, args, settings))
+                    emit(_step_row(model, name, phase, mode, size, x, context, args, settings,
+                                   kv_cache))  # fmt: skip
                 elif mode in ("eager", "cuda-graph"):  # generate captures its own graph
-                    emit(_generate_row(model, name, mode, size, x, context, new, args, settings))
+                    emit(_generate_row(model, name, mode, size, x, context, new, args, settings,
+                                       kv_cache))  # fmt: skip
                 gc.collect()  # the case's CUDA graph and its memory pool (compiled code stays)
                 if on_cuda:
                     torch.cuda.empty_cache()
@@ -334,8 +350,10 @@ def _step_row(
     context: int,
     args: argparse.Namespace,
     settings: str,
+    kv_cache: str = "float",
 ) -> results.Row:
-    """One prefill or decode case of one provider in one mode, timed."""
+    """One prefill or decode case of one provider in one mode, timed (decode over a
+    ``kv_cache`` cache: "float" or "int8")."""
     device, vocab = args.device, model.config.vocab_size
     generator = torch.Generator(device).manual_seed(1)
     settings += f"; warmup={args.warmup} reps={args.reps}"
@@ -350,7 +368,8 @@ def _step_row(
 
                 done = batch * tokens
             else:  # the cache filled eagerly, outside the compiled layers (no extra shape)
-                fn = decode_step(model, size, context, room=args.warmup + args.reps + 8)
+                room = args.warmup + args.reps + 8
+                fn = decode_step(model, size, context, room=room, kv_cache=kv_cache)
                 done = size
 
             with compiled_layers(model) if mode.startswith("compiled") else nullcontext():
@@ -363,15 +382,20 @@ def _step_row(
 
 
 def decode_step(
-    model: PreTrainedModel, batch: int, context: int, room: int
+    model: PreTrainedModel, batch: int, context: int, room: int, kv_cache: str = "float"
 ) -> Callable[[], object]:
     """One decode step of ``batch`` sequences over a static KV cache filled with ``context``
     random tokens, with ``room`` slots more (newer transformers advance the cache on every
-    call, so each call needs one)."""
+    call, so each call needs one): a ``transformers.StaticCache``, or with ``kv_cache="int8"``
+    an ``llmsys.hf.kv_cache.Int8StaticCache`` (which only llmsys' attention reads)."""
     from llmsys.hf import cached_forward
 
-    transformers = _transformers()
-    cache = transformers.StaticCache(config=model.config, max_cache_len=context + room)
+    cache_class: Any = _transformers().StaticCache
+    if kv_cache == "int8":
+        from llmsys.hf.kv_cache import Int8StaticCache
+
+        cache_class = Int8StaticCache
+    cache = cache_class(config=model.config, max_cache_len=context + room)
     call = cached_forward(model, cache)
     device = next(model.parameters()).device
     history = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
@@ -391,13 +415,15 @@ def _generate_row(
     new: int,
     args: argparse.Namespace,
     settings: str,
+    kv_cache: str = "float",
 ) -> results.Row:
     reps = min(args.reps, 4)
     settings += f"; runs of 3 and {3 + new} new tokens, {reps} pairs"
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device=args.device)
     try:
         with torch.no_grad():
-            times = _time_generate(model, ids, new, reps, mode == "cuda-graph", args.device)
+            graph = mode == "cuda-graph"
+            times = _time_generate(model, ids, new, reps, graph, args.device, kv_cache)
     except Exception as error:
         return _failed("generate", name, mode, x, _why(settings, error, args.device))
     return _row("generate", name, mode, x, times, batch, settings)
