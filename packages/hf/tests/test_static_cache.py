@@ -98,7 +98,7 @@ def test_fused_rotary_and_append_write_the_unfused_cache(rewrite, config, device
     (``rotary_into_cache``), once per layer and step: ``generate`` gives the tokens of rotary
     then ``cache.update``, and the cache and its lengths after a prompt, a one-token and a
     two-token step are the same to the bit."""
-    served, _ = served_and_sdpa(rewrite, device, **config)  # 2 layers
+    served, _ = served_and_sdpa(rewrite, device, num_hidden_layers=1, **config)
     layers = len(served.model.layers)
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(6)).to(device)
     with fused_appends() as calls:
